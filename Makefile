@@ -1,0 +1,34 @@
+# make test: set up .venv (if missing) with the project and its dev extra, run every test.
+# make demo: same set-up, then run the project's main job.
+# Elsewhere (e.g. a CUDA machine) override the torch requirement: make test TORCH_SPEC="torch>=2.3"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mgrit-installed
+
+.PHONY: test test-fast demo bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not mpi and not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/mgrit demo
+
+bench: $(STAMP)
+	$(VENV)/bin/mgrit bench w0
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,132 @@
+"""Solver options: a frozen dataclass validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+RELAX_KINDS = ("F", "FCF")
+CYCLE_KINDS = ("V", "F")
+GUESS_KINDS = ("zero", "nested")
+TOL_KINDS = ("absolute", "relative")
+EXECUTIONS = ("auto", "loop", "batched")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+
+
+def _per_level(name: str, value: Any, levels: int) -> tuple:
+    """A scalar option or one value per coarsening step (levels - 1 of them)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) < levels - 1:
+            raise ValueError(f"{name} lists {len(value)} values but levels={levels} "
+                             f"needs {levels - 1} (one per level above the coarsest)")
+        return tuple(value)
+    return (value,) * max(levels - 1, 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of one MGRIT solve (see DESIGN.md section 2).
+
+    levels:         most levels of the hierarchy (1 = sequential time stepping)
+    coarsening:     factor m between levels; an int or one per level
+    min_coarse:     stop coarsening before a level would have fewer steps
+    relax:          "F" or "FCF"; a string or one per level
+    relax_sweeps:   number nu of CF pairs in FCF relaxation, F(CF)^nu
+    c_weight:       weight w of C-relaxation, u_c = w*(g + Phi(u)) + (1-w)*u_c
+    cycle:          "V" or "F"
+    initial_guess:  "zero", "nested", or a tensor of shape (N+1, *u0.shape)
+    tol, tol_kind:  stop when residual <= tol ("absolute") or <= tol times
+                    the initial residual ("relative")
+    max_iter:       most cycles
+    divergence_factor: a residual above this multiple of the first one, or
+                    one that is not finite, stops the solve with DivergenceError
+    execution:      "auto" (batched when the propagator has step_batch),
+                    "loop" or "batched"
+    """
+
+    levels: int = 2
+    coarsening: int | tuple[int, ...] = 2
+    min_coarse: int = 2
+    relax: str | tuple[str, ...] = "FCF"
+    relax_sweeps: int = 1
+    c_weight: float = 1.0
+    cycle: str = "V"
+    initial_guess: str | torch.Tensor = field(default="zero", compare=False)
+    tol: float = 1e-9
+    tol_kind: str = "absolute"
+    max_iter: int = 100
+    divergence_factor: float = 1e4
+    execution: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("levels", self.levels, 1)
+        coarsening = _per_level("coarsening", self.coarsening, self.levels)
+        for m in coarsening:
+            _check_int("coarsening", m, 2)
+        object.__setattr__(self, "coarsening",
+                           coarsening if isinstance(self.coarsening, (list, tuple)) else self.coarsening)
+        relax = _per_level("relax", self.relax, self.levels)
+        for r in relax:
+            _check_choice("relax", r, RELAX_KINDS)
+        object.__setattr__(self, "relax",
+                           relax if isinstance(self.relax, (list, tuple)) else self.relax)
+        _check_int("min_coarse", self.min_coarse, 1)
+        _check_int("relax_sweeps", self.relax_sweeps, 1)
+        _check_int("max_iter", self.max_iter, 1)
+        for name in ("c_weight", "tol", "divergence_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+        if self.c_weight <= 0:
+            raise ValueError(f"c_weight must be > 0, got {self.c_weight}")
+        if self.tol < 0:
+            raise ValueError(f"tol must be >= 0, got {self.tol}")
+        if self.divergence_factor <= 1:
+            raise ValueError(f"divergence_factor must be > 1, got {self.divergence_factor}")
+        _check_choice("cycle", self.cycle, CYCLE_KINDS)
+        _check_choice("tol_kind", self.tol_kind, TOL_KINDS)
+        _check_choice("execution", self.execution, EXECUTIONS)
+        guess = self.initial_guess
+        if not isinstance(guess, torch.Tensor) and guess not in GUESS_KINDS:
+            raise ValueError(f"initial_guess={guess!r} is not valid; choose one of "
+                             f"{', '.join(map(repr, GUESS_KINDS))} or a tensor of shape (N+1, *u0.shape)")
+
+    def coarsening_at(self, level: int) -> int:
+        """Coarsening factor from `level` to `level + 1`."""
+        if isinstance(self.coarsening, tuple):
+            return self.coarsening[level]
+        return self.coarsening
+
+    def coarsening_list(self) -> tuple[int, ...]:
+        return tuple(self.coarsening_at(level) for level in range(max(self.levels - 1, 1)))
+
+    def relax_at(self, level: int) -> str:
+        if isinstance(self.relax, tuple):
+            return self.relax[level]
+        return self.relax
+
+    def cf_sweeps_at(self, level: int) -> int:
+        """How many CF pairs follow the leading F-relaxation on `level`."""
+        return self.relax_sweeps if self.relax_at(level) == "FCF" else 0
+
+    def describe(self) -> dict[str, Any]:
+        """The options as plain values (a guess tensor is named by shape and dtype)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        guess = self.initial_guess
+        if isinstance(guess, torch.Tensor):
+            out["initial_guess"] = f"tensor{tuple(guess.shape)}:{guess.dtype}"
+        return out

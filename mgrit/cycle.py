@@ -1,0 +1,291 @@
+"""FAS restriction, coarse right-hand side, correction, V- and F-cycles, and solve()."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .comm import Comm, as_comm
+from .config import Config
+from .execute import make_executor
+from .grid import build_hierarchy, local_levels, split_points
+from .level import Level
+from .propagator import Propagator
+from .relax import c_relax, f_relax, propagate_to_c_points, sweep
+
+
+class DivergenceError(RuntimeError):
+    """The residual became NaN/Inf or grew past Config.divergence_factor times its first value.
+
+    `residuals` holds the history up to and including the offending cycle.
+    """
+
+    def __init__(self, message: str, residuals: list[float]) -> None:
+        super().__init__(message)
+        self.residuals = residuals
+
+
+@dataclass
+class Result:
+    """Outcome of one MGRIT solve.
+
+    residuals:  residual norm after each cycle (DESIGN.md section 2)
+    iterations: cycles done
+    converged:  whether the tolerance was met within max_iter cycles
+    final:      the state at t1, on every rank
+    states:     the rank's own level-0 points, first_index..first_index+len-1
+    levels:     levels of the hierarchy actually used
+    initial_residual: residual of the guess after its first F-relaxation
+                (computed for tol_kind="relative", else None)
+    """
+
+    residuals: list[float]
+    iterations: int
+    converged: bool
+    final: Tensor
+    states: Tensor
+    first_index: int
+    levels: int
+    initial_residual: float | None = None
+
+
+def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)
+
+
+class Solver:
+    """MGRIT for one propagator, state shape and time grid; reusable across solves.
+
+    Level storage is allocated once here and reused by every `solve`, whose
+    returned `states` are views into it (valid until the next solve).
+    """
+
+    def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
+                 config: Config | None = None, comm: Comm | Any = None) -> None:
+        config = Config() if config is None else config
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a mgrit.Config, got {type(config).__name__}")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int):
+            raise TypeError(f"num_steps must be an int, got {num_steps!r}")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        t0 = _check_number("t0", t0)
+        t1 = _check_number("t1", t1)
+        if t1 == t0:
+            raise ValueError(f"t1 must differ from t0, both are {t0}")
+        if not callable(getattr(prop, "step", None)):
+            raise TypeError(f"the propagator {type(prop).__name__} has no step(u, s) method")
+        if not isinstance(like, Tensor):
+            raise TypeError(f"u0 must be a torch.Tensor, got {type(like).__name__}")
+        self.prop = prop
+        self.config = config
+        self.num_steps = num_steps
+        self.t0, self.t1 = t0, t1
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.executor = make_executor(config.execution, prop)
+        self.comm = as_comm(comm)
+        if isinstance(config.initial_guess, Tensor):
+            self._check_guess(config.initial_guess)
+        grids = build_hierarchy(num_steps, config.coarsening_list(), config.levels,
+                                config.min_coarse)
+        h = (t1 - t0) / num_steps
+        self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
+                       for local in local_levels(grids, self.comm.size, self.comm.rank)]
+        blocks = split_points(num_steps + 1, self.comm.size)
+        self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
+        self._step_checked = False
+
+    # input checks ------------------------------------------------------------
+    def _check_guess(self, guess: Tensor) -> None:
+        expected = (self.num_steps + 1, *self.shape)
+        if tuple(guess.shape) != expected or guess.dtype != self.dtype:
+            raise ValueError(f"initial_guess tensor has shape {tuple(guess.shape)} and dtype "
+                             f"{guess.dtype}; expected shape {expected} (num_steps + 1 points) "
+                             f"and dtype {self.dtype}")
+
+    def _check_u0(self, u0: Tensor) -> None:
+        if not isinstance(u0, Tensor):
+            raise TypeError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
+        if u0.shape != self.shape or u0.dtype != self.dtype:
+            raise ValueError(f"u0 has shape {tuple(u0.shape)} and dtype {u0.dtype}; this solver "
+                             f"was built for shape {tuple(self.shape)} and dtype {self.dtype}")
+        if not bool(torch.isfinite(u0).all()):
+            raise ValueError("u0 contains NaN or Inf")
+
+    def _check_step(self, u0: Tensor) -> None:
+        """One fine step on u0 must give a tensor of u0's shape and dtype."""
+        out = self.prop.step(u0, self.levels[0].step(0))
+        if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
+            got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
+                   else type(out).__name__)
+            raise TypeError(f"{type(self.prop).__name__}.step returned {got} for a state of "
+                            f"shape {tuple(u0.shape)}, dtype {u0.dtype}; it must keep both")
+        self._step_checked = True
+
+    # set-up of one solve -----------------------------------------------------
+    def _initialize(self, u0: Tensor, guess: str | Tensor) -> None:
+        for level in self.levels:
+            level.drain()
+            if level.index > 0:
+                level.u.zero_()
+                level.g.zero_()
+        fine = self.levels[0]
+        if isinstance(guess, Tensor):
+            if not fine.empty:
+                fine.u[1:] = guess[fine.first: fine.last + 1]
+                if fine.first > 0:
+                    fine.u[0] = guess[fine.first - 1]
+        else:
+            fine.u.zero_()
+        for level in self.levels:
+            if level.empty:
+                continue
+            if level.first == 0:
+                level.u[level.row(0)] = u0
+            elif level.first == 1:
+                level.u[0] = u0
+
+    # the cycle -----------------------------------------------------------------
+    def _restrict(self, l: int) -> None:
+        """Inject level l's C-points into level l+1 and form its FAS right-hand side."""
+        fine, coarse = self.levels[l], self.levels[l + 1]
+        coarse.drain()
+        if coarse.empty:
+            return
+        m = fine.grid.coarsening
+        coarse.post_v_ghost()
+        coarse.v[1:] = fine.u[fine.rows(coarse.first * m, m, coarse.count)]
+        coarse.publish_v()
+        first_c, count = fine.c_points()
+        if count:
+            phi = propagate_to_c_points(fine, self.prop, self.executor, first_c, count)
+            rows = fine.rows(first_c, m, count)
+            if fine.g is None:
+                residual = phi - fine.u[rows]
+            else:
+                residual = (fine.g[rows] - fine.u[rows]) + phi
+            j0 = first_c // m
+            if j0 == coarse.first:
+                coarse.wait_v_ghost()
+            prev = coarse.v[coarse.rows(j0 - 1, 1, count)]
+            phi_coarse = self.executor.advance(self.prop, prev, coarse.batch(j0 - 1, 1, count))
+            crows = coarse.rows(j0, 1, count)
+            coarse.g[crows] = (residual + coarse.v[crows]) - phi_coarse
+        coarse.wait_v_ghost()
+        coarse.u.copy_(coarse.v)
+
+    def _update_c_points(self, l: int, correct: bool) -> None:
+        """Level l's C-points from level l+1: add the correction (u_c - v), or inject u_c."""
+        fine, coarse = self.levels[l], self.levels[l + 1]
+        if fine.empty:
+            return
+        fine.post_ghost(c_phase=True)
+        if not coarse.empty:
+            rows = fine.rows(coarse.first * fine.grid.coarsening, fine.grid.coarsening,
+                             coarse.count)
+            if correct:
+                fine.u[rows] += coarse.u[1:] - coarse.v[1:]
+            else:
+                fine.u[rows] = coarse.u[1:]
+        fine.publish(c_phase=True)
+
+    def _cycle(self, l: int, kind: str, first_f: bool) -> None:
+        level = self.levels[l]
+        if level.grid.is_coarsest:
+            sweep(level, self.prop)
+            return
+        if first_f:
+            f_relax(level, self.prop, self.executor)
+        for _ in range(self.config.cf_sweeps_at(l)):
+            c_relax(level, self.prop, self.executor, self.config.c_weight)
+            f_relax(level, self.prop, self.executor)
+        self._restrict(l)
+        self._cycle(l + 1, kind, True)
+        self._update_c_points(l, correct=True)
+        f_relax(level, self.prop, self.executor)
+        if l > 0 and kind == "F":
+            self._cycle(l, "V", False)
+
+    def _nested(self) -> None:
+        """Solve the coarsest level, then inject level by level with one V-cycle each."""
+        sweep(self.levels[-1], self.prop)
+        for l in range(len(self.levels) - 2, -1, -1):
+            self._update_c_points(l, correct=False)
+            if l > 0:
+                self._cycle(l, "V", True)
+
+    def _residual(self) -> float:
+        """2-norm over the fine C-points j >= 1 of Phi(u_{j-1}) - u_j, over all ranks."""
+        fine = self.levels[0]
+        local = 0.0
+        if not fine.empty and not fine.grid.is_coarsest:
+            first_c, count = fine.c_points()
+            if count:
+                phi = propagate_to_c_points(fine, self.prop, self.executor, first_c, count)
+                r = phi - fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
+                local = float(torch.linalg.vector_norm(r)) ** 2
+        return math.sqrt(self.comm.allreduce_sum(local))
+
+    def _drain(self) -> None:
+        for level in self.levels:
+            level.drain()
+
+    # the solve -----------------------------------------------------------------
+    def solve(self, u0: Tensor) -> Result:
+        """Run cycles from the configured initial guess until converged or max_iter."""
+        cfg = self.config
+        self._check_u0(u0)
+        if not self._step_checked:
+            self._check_step(u0)
+        self._initialize(u0, cfg.initial_guess)
+        if cfg.initial_guess == "nested" and len(self.levels) > 1:
+            self._nested()
+        residuals: list[float] = []
+        initial = None
+        converged = False
+        for iteration in range(cfg.max_iter):
+            if iteration == 0 and len(self.levels) > 1:
+                f_relax(self.levels[0], self.prop, self.executor)
+            if iteration == 0 and cfg.tol_kind == "relative":
+                initial = self._residual()
+            self._cycle(0, cfg.cycle, first_f=False)
+            r = self._residual()
+            residuals.append(r)
+            if not math.isfinite(r) or r > cfg.divergence_factor * residuals[0]:
+                self._drain()
+                raise DivergenceError(
+                    f"MGRIT diverged: residual {r:.3e} after cycle {iteration + 1} "
+                    f"(history {', '.join(f'{x:.3e}' for x in residuals)}). The usual cause "
+                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
+                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
+                    "use fewer levels, a smaller coarsening, or more steps.", residuals)
+            threshold = cfg.tol * initial if cfg.tol_kind == "relative" else cfg.tol
+            if r <= threshold:
+                converged = True
+                break
+        self._drain()
+        fine = self.levels[0]
+        final = torch.zeros_like(u0)
+        if self.comm.rank == self._final_owner:
+            final.copy_(fine.u[fine.row(self.num_steps)])
+        self.comm.bcast_(final, self._final_owner)
+        return Result(residuals=residuals, iterations=len(residuals), converged=converged,
+                      final=final, states=fine.u[1:], first_index=fine.first,
+                      levels=len(self.levels), initial_residual=initial)
+
+
+def solve(prop: Propagator, u0: Tensor, num_steps: int, t0: float, t1: float,
+          config: Config | None = None, comm: Comm | Any = None) -> Result:
+    """Solve u_{n+1} = Phi_n(u_n), n = 0..num_steps-1, on [t0, t1] with MGRIT.
+
+    `comm=None` solves in this process; a communicator spreads the time points
+    over its ranks (every rank calls solve with the same arguments).
+    """
+    return Solver(prop, u0, num_steps, t0, t1, config, comm).solve(u0)

@@ -1,0 +1,130 @@
+"""Index maths of the time-grid hierarchy and its partition over ranks.
+
+Pure functions of integers: no tensors, no MPI. Level 0 has the points
+0..N (N steps); level l+1 keeps every m_l-th point of level l. A rank owns a
+contiguous block of level-0 points, and on every level the points whose
+level-0 position falls in that block, so a coarse point always lives on the
+rank that owns its fine interval's first point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class LevelGrid:
+    """One level of the hierarchy.
+
+    `num_steps` steps join points 0..num_steps; one step on this level spans
+    `stride` level-0 steps; `coarsening` is the factor to the next coarser
+    level, or None on the coarsest level.
+    """
+
+    level: int
+    num_steps: int
+    stride: int
+    coarsening: int | None
+
+    @property
+    def is_coarsest(self) -> bool:
+        return self.coarsening is None
+
+    def is_c_point(self, j: int) -> bool:
+        """C-points are kept on the next level; the coarsest level has only point 0."""
+        if self.coarsening is None:
+            return j == 0
+        return j % self.coarsening == 0
+
+
+def build_hierarchy(num_steps: int, coarsening: Sequence[int], levels: int,
+                    min_coarse: int) -> list[LevelGrid]:
+    """Levels of the grid: coarsen by coarsening[l] while fewer than `levels`
+    exist and the next level keeps at least `min_coarse` steps."""
+    sizes = [num_steps]
+    factors: list[int] = []
+    while len(sizes) < levels:
+        m = coarsening[len(sizes) - 1]
+        coarse = sizes[-1] // m
+        if coarse < max(min_coarse, 1):
+            break
+        factors.append(m)
+        sizes.append(coarse)
+    grids = []
+    stride = 1
+    for level, n in enumerate(sizes):
+        m = factors[level] if level < len(factors) else None
+        grids.append(LevelGrid(level=level, num_steps=n, stride=stride, coarsening=m))
+        if m is not None:
+            stride *= m
+    return grids
+
+
+def split_points(num_points: int, size: int) -> list[tuple[int, int]]:
+    """Contiguous blocks (first, last) of `num_points` points over `size` ranks.
+
+    Block sizes differ by at most one, the larger blocks first. A rank with no
+    point gets (first, first - 1).
+    """
+    base, extra = divmod(num_points, size)
+    blocks = []
+    first = 0
+    for rank in range(size):
+        count = base + (1 if rank < extra else 0)
+        blocks.append((first, first + count - 1))
+        first += count
+    return blocks
+
+
+def owned_range(grid: LevelGrid, block: tuple[int, int]) -> tuple[int, int]:
+    """Points (first, last) of `grid` owned by the rank holding level-0 `block`.
+
+    Empty when last < first.
+    """
+    a, b = block
+    first = -(-a // grid.stride)
+    last = min(b // grid.stride, grid.num_steps)
+    return first, last
+
+
+@dataclass(frozen=True)
+class LocalLevel:
+    """What one rank owns on one level and who its neighbours there are.
+
+    `prev_rank` owns point first-1 and `next_rank` owns point last+1 (None at
+    the ends of the grid or when the rank owns nothing on this level).
+    """
+
+    grid: LevelGrid
+    first: int
+    last: int
+    prev_rank: int | None
+    next_rank: int | None
+
+    @property
+    def count(self) -> int:
+        return max(self.last - self.first + 1, 0)
+
+    @property
+    def empty(self) -> bool:
+        return self.last < self.first
+
+
+def local_levels(grids: Sequence[LevelGrid], num_ranks: int, rank: int) -> list[LocalLevel]:
+    """The rank's part of every level, with its neighbours on that level."""
+    blocks = split_points(grids[0].num_steps + 1, num_ranks)
+    result = []
+    for grid in grids:
+        ranges = [owned_range(grid, block) for block in blocks]
+        first, last = ranges[rank]
+        prev_rank = next_rank = None
+        if last >= first:
+            if first > 0:
+                prev_rank = max(r for r in range(rank) if ranges[r][1] >= ranges[r][0])
+            if last < grid.num_steps:
+                next_rank = min(r for r in range(rank + 1, num_ranks)
+                                if ranges[r][1] >= ranges[r][0])
+        result.append(LocalLevel(grid=grid, first=first, last=last,
+                                 prev_rank=prev_rank, next_rank=next_rank))
+    return result

@@ -1,0 +1,44 @@
+"""Dahlquist's test equation u' = lambda u, the model problem of MGRIT theory."""
+
+from __future__ import annotations
+
+import math
+from numbers import Complex
+
+from torch import Tensor
+
+from ..propagator import Step, StepBatch
+
+METHODS = ("backward_euler", "forward_euler")
+
+
+class Dahlquist:
+    """u' = lam * u with backward or forward Euler; lam real or complex.
+
+    A complex lam needs a complex state. The amplification factor of one step
+    of length dt is `amplification(dt)`.
+    """
+
+    def __init__(self, lam: complex = -1.0, method: str = "backward_euler") -> None:
+        if not isinstance(lam, Complex) or not math.isfinite(abs(lam)):
+            raise TypeError(f"lam must be a finite real or complex number, got {lam!r}")
+        if method not in METHODS:
+            raise ValueError(f"method={method!r} is not valid; choose one of "
+                             f"{', '.join(map(repr, METHODS))}")
+        self.lam = lam if isinstance(lam, complex) and lam.imag != 0 else float(lam.real)
+        self.method = method
+
+    def amplification(self, dt: float) -> complex | float:
+        z = dt * self.lam
+        return 1.0 / (1.0 - z) if self.method == "backward_euler" else 1.0 + z
+
+    def _apply(self, u: Tensor, dt: float) -> Tensor:
+        if isinstance(self.lam, complex) and not u.is_complex():
+            raise TypeError(f"a complex lam ({self.lam}) needs a complex state, got {u.dtype}")
+        return u * self.amplification(dt)
+
+    def step(self, u: Tensor, s: Step) -> Tensor:
+        return self._apply(u, s.dt)
+
+    def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
+        return self._apply(states, steps.dt)

@@ -1,0 +1,88 @@
+"""F- and C-relaxation over one level, and the sequential march they share.
+
+On level l the point j is updated as u_j = g_j + Phi(u_{j-1}) (g is zero on
+level 0). F-relaxation advances every coarse interval from its C-point
+through its F-points: the m-1 sub-steps each go over all of the rank's
+intervals in one executor call. An interval whose C-point lies on an earlier
+rank (the rank's leading F-points) is marched step by step once the previous
+rank's last point has arrived.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .execute import Executor
+from .level import Level
+from .propagator import Propagator
+
+
+def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
+    """Sequentially set u_j = g_j + Phi(u_{j-1}) for j = j_from..j_to."""
+    u, g = level.u, level.g
+    for j in range(j_from, j_to + 1):
+        row = j - level.offset
+        out = prop.step(u[row - 1], level.step(j - 1))
+        u[row] = out if g is None else g[row] + out
+
+
+def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
+    """Propagate every coarse interval from its C-point through its F-points."""
+    if level.empty:
+        return
+    m = level.grid.coarsening
+    u, g = level.u, level.g
+    level.post_ghost(c_phase=False)
+    first_c, _ = level.c_points(skip_zero=False)
+    if first_c <= level.last:
+        for k in range(1, m):
+            if level.last - k < first_c:
+                break
+            count = (level.last - k - first_c) // m + 1
+            src = u[level.rows(first_c + k - 1, m, count)]
+            out = executor.advance(prop, src, level.batch(first_c + k - 1, m, count))
+            dst = level.rows(first_c + k, m, count)
+            u[dst] = out if g is None else g[dst] + out
+    if level.first < first_c:
+        level.wait_ghost()
+        march(level, prop, level.first, min(first_c - 1, level.last))
+    level.publish(c_phase=False)
+
+
+def propagate_to_c_points(level: Level, prop: Propagator, executor: Executor,
+                          first_c: int, count: int) -> Tensor:
+    """Phi(u_{c-1}) for the rank's C-points c = first_c, first_c + m, ... (count of them)."""
+    if first_c == level.first:
+        level.wait_ghost()
+    m = level.grid.coarsening
+    src = level.u[level.rows(first_c - 1, m, count)]
+    return executor.advance(prop, src, level.batch(first_c - 1, m, count))
+
+
+def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -> None:
+    """u_c = w*(g_c + Phi(u_{c-1})) + (1-w)*u_c at the rank's C-points (not point 0)."""
+    if level.empty:
+        return
+    level.post_ghost(c_phase=True)
+    first_c, count = level.c_points()
+    if count:
+        new = propagate_to_c_points(level, prop, executor, first_c, count)
+        rows = level.rows(first_c, level.grid.coarsening, count)
+        if level.g is not None:
+            new = level.g[rows] + new
+        if weight == 1.0:
+            level.u[rows] = new
+        else:
+            level.u[rows] = weight * new + (1.0 - weight) * level.u[rows]
+    level.publish(c_phase=True)
+
+
+def sweep(level: Level, prop: Propagator) -> None:
+    """Solve the coarsest level: one march over all points, rank after rank."""
+    if level.empty:
+        return
+    level.post_ghost(c_phase=False)
+    if level.first > 0:
+        level.wait_ghost()
+    march(level, prop, max(level.first, 1), level.last)
+    level.publish(c_phase=False)
