@@ -1,0 +1,44 @@
+"""The `mgrit` command end to end, in a subprocess as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mgrit.bench import W0_REFERENCE
+
+
+def _mgrit(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "mgrit", *args], capture_output=True, text=True,
+                          timeout=300, check=check)
+
+
+def test_bench_w0_writes_the_documented_json(tmp_path):
+    out = tmp_path / "w0.json"
+    proc = _mgrit("bench", "w0", "--json", str(out), "--repeats", "1")
+    rec = json.loads(out.read_text())
+    for key in ("iterations", "residuals", "solve_seconds", "sequential_seconds", "ratio"):
+        assert key in rec
+    assert rec["iterations"] == 10 == len(rec["residuals"])
+    assert rec["residuals"] == pytest.approx(W0_REFERENCE, rel=1e-8)
+    assert rec["ratio"] == pytest.approx(rec["solve_seconds"] / rec["sequential_seconds"])
+    assert "ratio solve / sequential" in proc.stdout
+
+
+def test_demo_prints_residual_table_and_agreement():
+    proc = _mgrit("demo", "--nx", "33", "--steps", "256", "--levels", "3")
+    lines = proc.stdout.splitlines()
+    assert "converged: True" in lines
+    diff = next(line for line in lines if line.startswith("max |MGRIT - sequential|"))
+    assert float(diff.split()[-1]) < 1e-9
+    residuals = [float(line.split()[1]) for line in lines if line.strip()[:1].isdigit()]
+    assert residuals[-1] <= 1e-10 < residuals[0]
+
+
+def test_bad_option_is_a_clear_error():
+    proc = _mgrit("demo", "--relax", "FFC", check=False)
+    assert proc.returncode == 2
+    assert "relax='FFC' is not valid; choose one of 'F', 'FCF'" in proc.stderr
+    proc = _mgrit("bench", "w9", check=False)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -1,0 +1,156 @@
+"""Bad input fails early with a message naming the problem; divergence is reported, not returned."""
+
+import math
+
+import pytest
+import torch
+
+import mgrit
+from mgrit.problems import Dahlquist
+
+
+class CountingDahlquist(Dahlquist):
+    """Dahlquist that counts its steps, to prove an error came before any work."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def step(self, u, s):
+        self.calls += 1
+        return super().step(u, s)
+
+    def step_batch(self, states, steps):
+        self.calls += 1
+        return super().step_batch(states, steps)
+
+
+U0 = torch.tensor(1.0, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(levels=0), ValueError, "levels must be >= 1"),
+    (dict(levels=2.0), TypeError, "levels must be an int"),
+    (dict(coarsening=1), ValueError, "coarsening must be >= 2"),
+    (dict(levels=4, coarsening=[2, 1, 2]), ValueError, "coarsening must be >= 2"),
+    (dict(levels=4, coarsening=[2, 2]), ValueError, "needs 3"),
+    (dict(relax="CF"), ValueError, "'F', 'FCF'"),
+    (dict(levels=3, relax=["F", "FFC"]), ValueError, "'F', 'FCF'"),
+    (dict(cycle="W"), ValueError, "'V', 'F'"),
+    (dict(initial_guess="random"), ValueError, "'zero', 'nested'"),
+    (dict(tol_kind="rel"), ValueError, "'absolute', 'relative'"),
+    (dict(execution="threads"), ValueError, "'auto', 'loop', 'batched'"),
+    (dict(tol=-1.0), ValueError, "tol must be >= 0"),
+    (dict(tol=math.nan), TypeError, "tol must be a finite number"),
+    (dict(max_iter=0), ValueError, "max_iter must be >= 1"),
+    (dict(relax_sweeps=0), ValueError, "relax_sweeps must be >= 1"),
+    (dict(c_weight=0.0), ValueError, "c_weight must be > 0"),
+    (dict(min_coarse=0), ValueError, "min_coarse must be >= 1"),
+    (dict(divergence_factor=1.0), ValueError, "divergence_factor must be > 1"),
+])
+def test_bad_config_is_rejected_on_construction(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        mgrit.Config(**kwargs)
+
+
+def test_per_level_lists_are_accepted_and_frozen():
+    cfg = mgrit.Config(levels=3, coarsening=[4, 2], relax=["F", "FCF"])
+    assert cfg.coarsening == (4, 2) and cfg.coarsening_at(1) == 2 and cfg.relax_at(0) == "F"
+    with pytest.raises(Exception):
+        cfg.levels = 4
+
+
+@pytest.mark.parametrize("num_steps,error,words", [
+    (0, ValueError, "num_steps must be >= 1"),
+    (-3, ValueError, "num_steps must be >= 1"),
+    (8.0, TypeError, "num_steps must be an int"),
+])
+def test_bad_num_steps(num_steps, error, words):
+    prop = CountingDahlquist()
+    with pytest.raises(error, match=words):
+        mgrit.solve(prop, U0, num_steps, 0.0, 1.0, mgrit.Config())
+    assert prop.calls == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_u0(bad):
+    prop = CountingDahlquist()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mgrit.solve(prop, torch.tensor([1.0, bad], dtype=torch.float64), 8, 0.0, 1.0)
+    assert prop.calls == 0
+
+
+@pytest.mark.parametrize("guess,words", [
+    (torch.zeros(8, dtype=torch.float64), r"shape \(8,\).*expected shape \(9,\)"),
+    (torch.zeros(9, 1, dtype=torch.float64), "expected shape"),
+    (torch.zeros(9, dtype=torch.float32), "dtype torch.float32.*dtype torch.float64"),
+])
+def test_bad_guess_tensor(guess, words):
+    prop = CountingDahlquist()
+    with pytest.raises(ValueError, match=words):
+        mgrit.solve(prop, U0, 8, 0.0, 1.0, mgrit.Config(initial_guess=guess))
+    assert prop.calls == 0
+
+
+def test_equal_end_times_and_non_numbers():
+    with pytest.raises(ValueError, match="t1 must differ from t0"):
+        mgrit.solve(Dahlquist(), U0, 8, 1.0, 1.0)
+    with pytest.raises(TypeError, match="t1 must be a finite real number"):
+        mgrit.solve(Dahlquist(), U0, 8, 0.0, math.inf)
+
+
+def test_batched_execution_needs_step_batch():
+    class LoopOnly:
+        def step(self, u, s):
+            return u
+
+    with pytest.raises(ValueError, match="needs a propagator with step_batch"):
+        mgrit.solve(LoopOnly(), U0, 8, 0.0, 1.0, mgrit.Config(execution="batched"))
+
+
+def test_not_a_propagator():
+    with pytest.raises(TypeError, match="no step"):
+        mgrit.solve(object(), U0, 8, 0.0, 1.0)
+
+
+def test_step_that_changes_dtype_is_named():
+    class Widening:
+        def step(self, u, s):
+            return u.to(torch.complex128)
+
+    with pytest.raises(TypeError, match="Widening.step returned.*complex128.*must keep both"):
+        mgrit.solve(Widening(), U0, 8, 0.0, 1.0)
+
+
+def test_step_batch_that_changes_shape_is_named():
+    class Squeezing(Dahlquist):
+        def step_batch(self, states, steps):
+            return states[:1]
+
+    with pytest.raises(TypeError, match="step_batch returned shape"):
+        mgrit.solve(Squeezing(), U0, 16, 0.0, 1.0, mgrit.Config(levels=2))
+
+
+def test_complex_lambda_needs_complex_state():
+    with pytest.raises(TypeError, match="needs a complex state"):
+        mgrit.solve(Dahlquist(1j), U0, 8, 0.0, 1.0)
+
+
+def test_unstable_coarse_forward_euler_is_reported_with_history():
+    # fine step 1 - 0.5 is stable; the coarsest step (m^3 h = 4) has |1 - 4| = 3 > 1
+    prop = Dahlquist(-1.0, method="forward_euler")
+    with pytest.raises(mgrit.DivergenceError, match="unstable coarse step") as info:
+        mgrit.solve(prop, U0, 256, 0.0, 128.0,
+                    mgrit.Config(levels=4, coarsening=2, relax="F", tol=1e-12, max_iter=50))
+    history = info.value.residuals
+    assert len(history) >= 2 and history[-1] > 1e4 * history[0]
+
+
+def test_nan_residual_is_reported():
+    class Overflowing(Dahlquist):
+        def step_batch(self, states, steps):
+            return states * math.inf
+
+    with pytest.raises(mgrit.DivergenceError, match="residual nan|residual inf") as info:
+        mgrit.solve(Overflowing(), U0, 32, 0.0, 1.0, mgrit.Config(levels=2, max_iter=5))
+    assert len(info.value.residuals) == 1

@@ -1,0 +1,67 @@
+"""Index maths of the hierarchy and the partition, checked for many fake ranks in one process."""
+
+import pytest
+
+from mgrit.grid import build_hierarchy, local_levels, owned_range, split_points
+
+
+def test_hierarchy_sizes_and_strides():
+    grids = build_hierarchy(16384, [4, 4, 4, 4], levels=5, min_coarse=2)
+    assert [g.num_steps for g in grids] == [16384, 4096, 1024, 256, 64]
+    assert [g.stride for g in grids] == [1, 4, 16, 64, 256]
+    assert [g.coarsening for g in grids] == [4, 4, 4, 4, None]
+
+
+def test_hierarchy_stops_at_min_coarse_and_uses_per_level_factors():
+    grids = build_hierarchy(100, [2, 5, 4], levels=6, min_coarse=3)
+    # 100 -> 50 -> 10 -> 2 (< 3, so stop at 10)
+    assert [g.num_steps for g in grids] == [100, 50, 10]
+    assert grids[-1].is_coarsest and grids[2].stride == 10
+
+
+def test_hierarchy_with_uneven_division_keeps_floor():
+    grids = build_hierarchy(1001, [4, 4], levels=3, min_coarse=1)
+    assert [g.num_steps for g in grids] == [1001, 250, 62]
+
+
+@pytest.mark.parametrize("points,size", [(17, 1), (17, 4), (5, 8), (1025, 64), (64, 64)])
+def test_split_points_covers_every_point_once(points, size):
+    blocks = split_points(points, size)
+    owned = [p for first, last in blocks for p in range(first, last + 1)]
+    assert owned == list(range(points))
+    counts = [last - first + 1 for first, last in blocks]
+    assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+
+
+@pytest.mark.parametrize("num_steps,coarsening,levels", [
+    (16, [2, 2, 2], 4), (100, [4, 4], 3), (1023, [2, 4, 2, 2], 5), (37, [3, 2], 3), (7, [2], 2),
+])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 64])
+def test_partition_of_every_level(num_steps, coarsening, levels, size):
+    grids = build_hierarchy(num_steps, coarsening, levels, min_coarse=1)
+    per_rank = [local_levels(grids, size, rank) for rank in range(size)]
+    blocks = split_points(num_steps + 1, size)
+    for l, grid in enumerate(grids):
+        owner = {}
+        for rank in range(size):
+            loc = per_rank[rank][l]
+            for j in range(loc.first, loc.last + 1):
+                assert j not in owner, f"point {j} of level {l} owned twice"
+                owner[j] = rank
+                # a coarse point lives where its fine point lives
+                a, b = blocks[rank]
+                assert a <= j * grid.stride <= b
+        assert sorted(owner) == list(range(grid.num_steps + 1)), f"level {l} not covered"
+        for rank in range(size):
+            loc = per_rank[rank][l]
+            if loc.empty:
+                assert loc.prev_rank is None and loc.next_rank is None
+                continue
+            assert loc.prev_rank == (owner[loc.first - 1] if loc.first > 0 else None)
+            assert loc.next_rank == (owner[loc.last + 1] if loc.last < grid.num_steps else None)
+
+
+def test_owned_range_can_be_empty_on_coarse_levels():
+    grid = build_hierarchy(64, [8, 8], levels=3, min_coarse=1)[2]  # points 0 and 1 (fine 0, 64)
+    assert owned_range(grid, (10, 20)) == (1, 0)
+    assert owned_range(grid, (60, 64)) == (1, 1)
