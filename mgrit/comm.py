@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol
 
+import numpy as np
+import torch
 from torch import Tensor
 
 
@@ -54,10 +57,97 @@ class SerialComm:
         return None
 
 
+def _as_buffer(t: Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, shared with it (no copy), for any dtype."""
+    if t.device.type != "cpu":
+        raise ValueError(f"MPI buffers must be CPU tensors, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("MPI buffers must be contiguous tensors")
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+class _MPIRequest:
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req: Any, buf: np.ndarray) -> None:
+        self.req = req
+        self.buf = buf  # keeps the memory alive while the message is in flight
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+
+_ABORT_HOOK_INSTALLED = False
+
+
+def _install_abort_hook() -> None:
+    """Make an uncaught exception on any rank print its traceback and abort every rank.
+
+    `python -m mpi4py script.py` does the same; this covers plain `python script.py`
+    launches, where one failed rank would otherwise leave the others waiting forever.
+    """
+    global _ABORT_HOOK_INSTALLED
+    if _ABORT_HOOK_INSTALLED:
+        return
+    from mpi4py import MPI
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # pragma: no cover - runs only while a rank dies
+        previous(exc_type, exc, tb)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    _ABORT_HOOK_INSTALLED = True
+
+
+class MPIComm:
+    """An mpi4py communicator: buffer messages of contiguous tensors, never pickled."""
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        _install_abort_hook()
+
+    def isend(self, buf: Tensor, dest: int, tag: int) -> _MPIRequest:
+        data = _as_buffer(buf)
+        return _MPIRequest(self.comm.Isend([data, self._mpi.BYTE], dest=dest, tag=tag), data)
+
+    def irecv(self, buf: Tensor, source: int, tag: int) -> _MPIRequest:
+        data = _as_buffer(buf)
+        return _MPIRequest(self.comm.Irecv([data, self._mpi.BYTE], source=source, tag=tag), data)
+
+    def allreduce_sum(self, value: float) -> float:
+        send = np.array([value], dtype=np.float64)
+        recv = np.empty(1, dtype=np.float64)
+        self.comm.Allreduce(send, recv, op=self._mpi.SUM)
+        return float(recv[0])
+
+    def bcast_(self, buf: Tensor, root: int) -> None:
+        self.comm.Bcast([_as_buffer(buf), self._mpi.BYTE], root=root)
+
+    def agree(self, what: str, value: Any) -> None:
+        values = self.comm.allgather(value)
+        differing = [r for r, v in enumerate(values) if v != values[0]]
+        if differing:
+            shown = "; ".join(f"rank {r}: {values[r]!r}" for r in [0] + differing[:3])
+            raise ValueError(f"{what} differ between ranks ({shown}); every rank must pass "
+                             "the same settings")
+
+
 def as_comm(comm: Any) -> Comm:
-    """None gives the serial communicator; a `Comm` is used as it is."""
+    """None gives the serial communicator, an mpi4py communicator an `MPIComm`;
+    a `Comm` is used as it is."""
     if comm is None:
         return SerialComm()
     if hasattr(comm, "allreduce_sum") and hasattr(comm, "irecv"):
         return comm
-    raise TypeError(f"comm must be None or a mgrit communicator, got {type(comm).__name__}")
+    if type(comm).__module__.startswith("mpi4py"):
+        return MPIComm(comm)
+    raise TypeError(f"comm must be None, an mpi4py communicator or a mgrit communicator, "
+                    f"got {type(comm).__name__}")

@@ -93,6 +93,9 @@ class Solver:
         self.comm = as_comm(comm)
         if isinstance(config.initial_guess, Tensor):
             self._check_guess(config.initial_guess)
+        self.comm.agree("solver settings (num_steps, t0, t1, state shape, dtype, config)",
+                        (num_steps, t0, t1, tuple(like.shape), str(like.dtype),
+                         tuple(sorted(config.describe().items()))))
         grids = build_hierarchy(num_steps, config.coarsening_list(), config.levels,
                                 config.min_coarse)
         h = (t1 - t0) / num_steps
@@ -240,6 +243,14 @@ class Solver:
     # the solve -----------------------------------------------------------------
     def solve(self, u0: Tensor) -> Result:
         """Run cycles from the configured initial guess until converged or max_iter."""
+        try:
+            return self._solve(u0)
+        except Exception as err:
+            if self.comm.size > 1:
+                err.add_note(f"mgrit: raised on rank {self.comm.rank} of {self.comm.size}")
+            raise
+
+    def _solve(self, u0: Tensor) -> Result:
         cfg = self.config
         self._check_u0(u0)
         if not self._step_checked:

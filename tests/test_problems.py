@@ -9,7 +9,7 @@ import mgrit
 from mgrit.problems import Dahlquist, DenseResNet, Heat1D
 from mgrit.propagator import StepBatch
 
-from conftest import heat_problem
+from cases import heat_problem
 
 
 def test_step_batch_records_match_single_steps():

@@ -7,21 +7,15 @@ import torch
 
 import mgrit
 from mgrit.bench import W0_REFERENCE
-from mgrit.problems import Dahlquist, DenseResNet, Heat1D
+from mgrit.problems import Dahlquist, DenseResNet
 
-from conftest import heat_problem, relative_error
-
-
-def _resnet(num_steps=64, width=4, seed=1):
-    prop = DenseResNet.random(num_steps, width, seed=seed)
-    u0 = torch.randn(3, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return prop, u0
+from cases import heat_problem, relative_error, resnet_problem
 
 
 PROBLEMS = {
     "dahlquist": lambda: (Dahlquist(-1.0), torch.tensor(1.0, dtype=torch.float64), 64, 4.0),
     "heat": lambda: (*heat_problem(17), 64, 1.0),
-    "resnet": lambda: (*_resnet(), 64, 1.0),
+    "resnet": lambda: (*resnet_problem(), 64, 1.0),
 }
 
 
@@ -47,7 +41,7 @@ def test_one_level_is_sequential_stepping_exactly(name):
 @pytest.mark.parametrize("levels,m,cycle", [(2, 2, "V"), (2, 4, "V"), (2, 8, "V"), (3, 2, "V"),
                                             (3, 4, "F"), (4, 2, "F"), (4, 4, "V")])
 def test_f_relaxation_makes_k_intervals_exact_after_k_cycles(levels, m, cycle):
-    prop, u0 = _resnet(num_steps=64)
+    prop, u0 = resnet_problem(num_steps=64)
     seq = mgrit.step_sequentially(prop, u0, 64, 0.0, 1.0)
     scale = float(seq.abs().max())
     needed = math.ceil(64 / m)

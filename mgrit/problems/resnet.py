@@ -38,13 +38,19 @@ class DenseResNet:
         b = torch.randn(num_steps, width, generator=gen, dtype=dtype) * 0.1
         return cls(w, b)
 
+    def _apply(self, states: Tensor, layers: Tensor, dt: float) -> Tensor:
+        """states[i] + dt*act(W[layers[i]] states[i] + b[layers[i]]), one batched product.
+
+        Single steps use it too (a batch of one), so every entry is computed the same way
+        whatever batch it is in: looped, batched and distributed runs agree to the bit.
+        """
+        w, b = self.weights[layers], self.biases[layers]
+        flat = states.reshape(len(layers), -1, states.shape[-1])
+        z = torch.baddbmm(b[:, None, :], flat, w.transpose(1, 2))
+        return states + dt * self.activation(z).reshape(states.shape)
+
     def step(self, u: Tensor, s: Step) -> Tensor:
-        w, b = self.weights[s.fine_index], self.biases[s.fine_index]
-        return u + s.dt * self.activation(u @ w.T + b)
+        return self._apply(u[None], torch.tensor([s.fine_index]), s.dt)[0]
 
     def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
-        idx = steps.fine_index
-        w, b = self.weights[idx], self.biases[idx]
-        flat = states.reshape(len(steps), -1, states.shape[-1])
-        z = torch.baddbmm(b[:, None, :], flat, w.transpose(1, 2))
-        return states + steps.dt * self.activation(z).reshape(states.shape)
+        return self._apply(states, steps.fine_index, steps.dt)

@@ -1,0 +1,36 @@
+"""The distributed solver under mpiexec: the same numbers as the serial one, and clean failures."""
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_distributed_solve_equals_serial(mpi, nprocs):
+    """Dahlquist (real, complex), heat and dense ResNet, float64 and float32, N = 5, 37, 61, 64,
+    V/F cycles, F/FCF, 2-5 levels, zero/nested/tensor guesses, loop and batched execution."""
+    run = mpi("solve_vs_serial.py", nprocs, timeout=240)
+    assert run.returncode == 0, run.stderr
+    for rank, report in run.by_rank().items():
+        assert report["cases"] == 192
+        assert report["failures"] == [], f"rank {rank}: {report['failures']}"
+
+
+@pytest.mark.parametrize("nprocs,failing,runner", [(2, 1, True), (3, 0, True), (4, 2, True),
+                                                   (3, 1, False)])
+def test_exception_on_one_rank_ends_every_rank(mpi, nprocs, failing, runner):
+    """Under `python -m mpi4py` and under plain `python` (mgrit's own abort hook)."""
+    run = mpi("fault.py", nprocs, str(failing), timeout=60, abort_on_error=runner)
+    assert run.returncode != 0
+    assert run.seconds < 30
+    assert f"RuntimeError: deliberate failure on rank {failing}" in run.stderr
+    assert f"mgrit: raised on rank {failing} of {nprocs}" in run.stderr
+    assert run.reports() == [], "no rank may finish the solve"
+
+
+@pytest.mark.parametrize("what", ["config", "num_steps", "dtype"])
+def test_settings_that_differ_between_ranks_are_reported_everywhere(mpi, what):
+    run = mpi("mismatch.py", 3, what, timeout=60)
+    assert run.returncode != 0
+    for rank, report in run.by_rank().items():
+        assert report["error"] and "differ between ranks" in report["error"], (rank, report)
