@@ -1,22 +1,35 @@
 """Benchmarks: workloads of DESIGN.md section 6, timed as ratios between methods in one run.
 
-    python -m mgrit.bench w0 [--json FILE] [--repeats R]
+    mgrit bench w0 [--json FILE] [--repeats R]
+    mgrit bench w0 heat --ranks 1,2 [--json FILE]
+
+Without --ranks a workload runs in this process and its MGRIT solve is timed against
+sequential stepping of the same propagator. With --ranks it is also launched under
+`mpiexec -n P` for each P, and the table adds the parallel efficiency T1/(P*TP).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from .config import Config
-from .cycle import solve
-from .problems import Dahlquist
-from .propagator import Step
+from .cycle import Result, solve
+from .problems import Dahlquist, Heat1D
+from .propagator import Propagator, Step
 
 # Residual history of W0 from an established MGRIT implementation (PyMGRIT), see
 # docs/results.md; a correct solver reproduces it to about 1e-8 relative.
@@ -26,91 +39,223 @@ W0_REFERENCE = [2.5279539685028364e-02, 1.7930034195332422e-03, 1.61949192103685
                 1.4238166031588226e-11]
 
 
+@dataclass
+class Case:
+    """One problem to time: a propagator, its grid and the solver settings."""
+
+    name: str
+    description: str
+    prop: Propagator
+    u0: torch.Tensor
+    num_steps: int
+    t0: float
+    t1: float
+    config: Config
+    reference: list[float] = field(default_factory=list)
+
+
+def w0_case() -> Case:
+    return Case("w0", "u' = -u, backward Euler, h = 0.05, N = 16384, levels 5, m = 4, FCF, "
+                "V-cycle, zero guess, tol 1e-10", Dahlquist(-1.0),
+                torch.tensor(1.0, dtype=torch.float64), 16384, 0.0, 16384 * 0.05,
+                Config(levels=5, coarsening=4, relax="FCF", cycle="V", initial_guess="zero",
+                       tol=1e-10, max_iter=50), W0_REFERENCE)
+
+
+def heat_case(nx: int = 20001, num_steps: int = 1024) -> Case:
+    """A costly step: the heat equation on nx points, one tridiagonal solve per step."""
+
+    def forcing(x, t):
+        t = torch.as_tensor(t, dtype=torch.float64)
+        return -torch.sin(math.pi * x) * (torch.sin(t) - math.pi ** 2 * torch.cos(t))
+
+    prop = Heat1D(nx, a=1.0, forcing=forcing)
+    return Case("heat", f"u_t = u_xx + b, nx = {nx}, N = {num_steps} on [0, 2], levels 4, m = 4, "
+                "FCF, V-cycle, tol 1e-8", prop, prop.initial(lambda x: torch.sin(math.pi * x)),
+                num_steps, 0.0, 2.0,
+                Config(levels=4, coarsening=4, relax="FCF", cycle="V", tol=1e-8, max_iter=50))
+
+
+CASES: dict[str, Callable[[], Case]] = {"w0": w0_case, "heat": heat_case}
+
+
 def _seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def run_w0(repeats: int = 5) -> dict:
-    """W0: u' = -u, backward Euler, h = 0.05, N = 16384, 5 levels, m = 4, FCF, V, zero guess."""
-    prop = Dahlquist(-1.0)
-    u0 = torch.tensor(1.0, dtype=torch.float64)
-    num_steps, h = 16384, 0.05
-    t1 = num_steps * h
-    cfg = Config(levels=5, coarsening=4, relax="FCF", cycle="V", initial_guess="zero",
-                 tol=1e-10, max_iter=50)
+def sequential(case: Case) -> torch.Tensor:
+    """Plain time stepping of the case's propagator; returns the final state."""
+    h = (case.t1 - case.t0) / case.num_steps
+    u = case.u0
+    for n in range(case.num_steps):
+        u = case.prop.step(u, Step(0, n, n, case.t0 + n * h, h))
+    return u
 
-    def sequential() -> torch.Tensor:
-        u = u0
-        for n in range(num_steps):
-            u = prop.step(u, Step(0, n, n, n * h, h))
-        return u
 
-    result = solve(prop, u0, num_steps, 0.0, t1, cfg)
+def run_serial(case: Case, repeats: int) -> dict[str, Any]:
+    """MGRIT in this process against sequential stepping, interleaved run by run."""
+    result = solve(case.prop, case.u0, case.num_steps, case.t0, case.t1, case.config)
     solve_times, seq_times = [], []
-    for _ in range(repeats):  # interleaved, so both sides see the same machine state
-        solve_times.append(_seconds(lambda: solve(prop, u0, num_steps, 0.0, t1, cfg)))
-        seq_times.append(_seconds(sequential))
+    for _ in range(repeats):
+        solve_times.append(_seconds(lambda: solve(case.prop, case.u0, case.num_steps, case.t0,
+                                                  case.t1, case.config)))
+        seq_times.append(_seconds(lambda: sequential(case)))
     solve_s, seq_s = statistics.median(solve_times), statistics.median(seq_times)
-    agreement = max(abs(a - b) / b for a, b in zip(result.residuals, W0_REFERENCE))
-    return {
-        "workload": "w0",
+    record = {
+        "workload": case.name,
         "iterations": result.iterations,
         "residuals": result.residuals,
         "solve_seconds": solve_s,
         "sequential_seconds": seq_s,
         "ratio": solve_s / seq_s,
-        "reference_residuals": W0_REFERENCE,
-        "reference_max_relative_difference": agreement,
-        "final_error_vs_sequential": abs(float(result.final) - float(sequential())),
+        "final_difference_to_sequential": float((result.final - sequential(case)).abs().max()),
         "repeats": repeats,
         "threads": torch.get_num_threads(),
     }
+    if case.reference:
+        record["reference_residuals"] = case.reference
+        record["reference_max_relative_difference"] = max(
+            abs(a - b) / b for a, b in zip(result.residuals, case.reference))
+    return record
 
 
-def print_w0(rec: dict) -> None:
-    print("W0: u' = -u, backward Euler, h = 0.05, N = 16384, levels 5, m = 4, FCF, V-cycle")
+def run_worker(case: Case, repeats: int, out: Path) -> None:
+    """Under mpiexec: time the distributed solve (barrier to barrier); rank 0 writes JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    times: list[float] = []
+    result: Result | None = None
+    for _ in range(repeats + 1):  # the first run warms up and is not timed
+        comm.Barrier()
+        start = MPI.Wtime()
+        result = solve(case.prop, case.u0, case.num_steps, case.t0, case.t1, case.config,
+                       comm=comm)
+        comm.Barrier()
+        times.append(MPI.Wtime() - start)
+    if comm.rank == 0:
+        out.write_text(json.dumps({"workload": case.name, "ranks": comm.size,
+                                   "iterations": result.iterations,
+                                   "residuals": result.residuals,
+                                   "solve_seconds": statistics.median(times[1:]),
+                                   "repeats": repeats}))
+
+
+def mpiexec() -> str:
+    """$MGRIT_MPIEXEC, else the mpiexec beside this Python (MPICH from PyPI), else PATH's."""
+    configured = os.environ.get("MGRIT_MPIEXEC")
+    if configured:
+        return configured
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("no mpiexec found; set MGRIT_MPIEXEC")
+    return found
+
+
+def run_ranks(name: str, ranks: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Launch the workload on each rank count; add efficiency T1/(P*TP) against the first."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in ranks:
+            out = Path(tmp) / f"{name}-{p}.json"
+            cmd = [mpiexec(), "-n", str(p), sys.executable, "-m", "mpi4py", "-m", "mgrit.bench",
+                   name, "--worker", str(out), "--repeats", str(repeats)]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+            records.append(json.loads(out.read_text()))
+    base = records[0]
+    for rec in records:
+        speedup = base["solve_seconds"] / rec["solve_seconds"]
+        rec["speedup"] = speedup
+        rec["efficiency"] = speedup * base["ranks"] / rec["ranks"]
+    return records
+
+
+def print_serial(case: Case, rec: dict[str, Any]) -> None:
+    print(f"{case.name.upper()}: {case.description}")
     print(f"{'cycle':>5}  {'residual':>12}  {'reference':>12}  {'factor':>7}")
     prev = None
     for k, r in enumerate(rec["residuals"]):
-        ref = rec["reference_residuals"][k] if k < len(rec["reference_residuals"]) else float("nan")
-        factor = f"{r / prev:7.4f}" if prev else "      -"
-        print(f"{k + 1:>5}  {r:12.4e}  {ref:12.4e}  {factor}")
+        ref = f"{case.reference[k]:12.4e}" if k < len(case.reference) else f"{'-':>12}"
+        factor = f"{r / prev:7.4f}" if prev else f"{'-':>7}"
+        print(f"{k + 1:>5}  {r:12.4e}  {ref}  {factor}")
         prev = r
-    print(f"iterations                 {rec['iterations']}")
-    print(f"max rel. diff. to reference {rec['reference_max_relative_difference']:.2e}")
-    print(f"MGRIT solve                {rec['solve_seconds'] * 1e3:9.2f} ms  (median of {rec['repeats']})")
-    print(f"sequential stepping        {rec['sequential_seconds'] * 1e3:9.2f} ms")
-    print(f"ratio solve / sequential   {rec['ratio']:9.3f}")
+    print(f"iterations                  {rec['iterations']}")
+    if "reference_max_relative_difference" in rec:
+        print(f"max rel. diff. to reference {rec['reference_max_relative_difference']:.2e}")
+    print(f"MGRIT solve                 {rec['solve_seconds'] * 1e3:10.2f} ms "
+          f"(median of {rec['repeats']}, one process, one thread)")
+    print(f"sequential stepping         {rec['sequential_seconds'] * 1e3:10.2f} ms")
+    print(f"ratio solve / sequential    {rec['ratio']:10.3f}")
 
 
-WORKLOADS = {"w0": (run_w0, print_w0)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mgrit bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+def print_ranks(case: Case, serial: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    print(f"{case.name.upper()} on several ranks (one thread each): {case.description}")
+    print(f"{'ranks':>5}  {'cycles':>6}  {'solve ms':>10}  {'speedup':>7}  {'efficiency':>10}  "
+          f"{'vs sequential':>13}")
+    for rec in records:
+        print(f"{rec['ranks']:>5}  {rec['iterations']:>6}  {rec['solve_seconds'] * 1e3:10.2f}  "
+              f"{rec['speedup']:7.2f}  {rec['efficiency']:10.2f}  "
+              f"{rec['solve_seconds'] / serial['sequential_seconds']:13.2f}")
+    print(f"(sequential stepping in one process: {serial['sequential_seconds'] * 1e3:.2f} ms)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workload", choices=sorted(WORKLOADS), help="workload of DESIGN.md section 6")
-    parser.add_argument("--json", metavar="FILE", help="also write the record as JSON")
+    parser.add_argument("workloads", nargs="+", choices=sorted(CASES), metavar="WORKLOAD",
+                        help=f"workloads to run: {', '.join(sorted(CASES))}")
+    parser.add_argument("--ranks", help="comma-separated rank counts, e.g. 1,2")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per method (median)")
+    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+
+
+def _parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--ranks must be comma-separated integers, got {text!r}") from None
+    if not ranks or min(ranks) < 1:
+        raise SystemExit(f"--ranks must list rank counts >= 1, got {text!r}")
+    return ranks
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     torch.set_num_threads(1)
-    runner, printer = WORKLOADS[args.workload]
-    record = runner(repeats=args.repeats)
-    printer(record)
+    if args.worker:
+        run_worker(CASES[args.workloads[0]](), args.repeats, Path(args.worker))
+        return 0
+    ranks = _parse_ranks(args.ranks) if args.ranks else None
+    output: list[dict[str, Any]] = []
+    for name in args.workloads:
+        case = CASES[name]()
+        serial = run_serial(case, args.repeats)
+        print_serial(case, serial)
+        output.append(serial)
+        if ranks:
+            records = run_ranks(name, ranks, args.repeats)
+            print()
+            print_ranks(case, serial, records)
+            output.extend(records)
+        print()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(record, fh, indent=2)
+        data: Any = output[0] if len(output) == 1 else output
+        Path(args.json).write_text(json.dumps(data, indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mgrit bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

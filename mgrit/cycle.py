@@ -13,7 +13,7 @@ from torch import Tensor
 from .comm import Comm, as_comm
 from .config import Config
 from .execute import make_executor
-from .grid import build_hierarchy, local_levels, split_points
+from .grid import build_hierarchy, level0_blocks, local_levels
 from .level import Level
 from .propagator import Propagator
 from .relax import c_relax, f_relax, propagate_to_c_points, sweep
@@ -101,7 +101,7 @@ class Solver:
         h = (t1 - t0) / num_steps
         self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
                        for local in local_levels(grids, self.comm.size, self.comm.rank)]
-        blocks = split_points(num_steps + 1, self.comm.size)
+        blocks = level0_blocks(grids, self.comm.size)
         self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
         self._step_checked = False
 

@@ -61,20 +61,36 @@ def build_hierarchy(num_steps: int, coarsening: Sequence[int], levels: int,
     return grids
 
 
-def split_points(num_points: int, size: int) -> list[tuple[int, int]]:
+def split_points(num_points: int, size: int, align: int = 1) -> list[tuple[int, int]]:
     """Contiguous blocks (first, last) of `num_points` points over `size` ranks.
 
-    Block sizes differ by at most one, the larger blocks first. A rank with no
-    point gets (first, first - 1).
+    Block boundaries sit at the multiple of `align` nearest to an even split. A rank
+    with no point gets (first, first - 1).
     """
-    base, extra = divmod(num_points, size)
-    blocks = []
-    first = 0
-    for rank in range(size):
-        count = base + (1 if rank < extra else 0)
-        blocks.append((first, first + count - 1))
-        first += count
-    return blocks
+    starts = [0]
+    for rank in range(1, size):
+        ideal = rank * num_points / size
+        start = min(max(align * round(ideal / align), starts[-1]), num_points)
+        starts.append(start)
+    starts.append(num_points)
+    return [(starts[r], starts[r + 1] - 1) for r in range(size)]
+
+
+def alignment(grids: Sequence[LevelGrid], num_ranks: int) -> int:
+    """The level-0 multiple that rank blocks start at.
+
+    Starting every block at a coarsest-level point makes the first point of every rank a
+    C-point on all relaxation levels, so no coarse interval straddles two ranks and no
+    rank marches an interval's F-points one by one after its neighbour. The largest level
+    stride is taken that still leaves every block within 1/32 of an even split.
+    """
+    target = (grids[0].num_steps + 1) / (32 * num_ranks)
+    return max([g.stride for g in grids if g.stride <= target], default=1)
+
+
+def level0_blocks(grids: Sequence[LevelGrid], num_ranks: int) -> list[tuple[int, int]]:
+    """The level-0 points (first, last) of every rank."""
+    return split_points(grids[0].num_steps + 1, num_ranks, alignment(grids, num_ranks))
 
 
 def owned_range(grid: LevelGrid, block: tuple[int, int]) -> tuple[int, int]:
@@ -113,7 +129,7 @@ class LocalLevel:
 
 def local_levels(grids: Sequence[LevelGrid], num_ranks: int, rank: int) -> list[LocalLevel]:
     """The rank's part of every level, with its neighbours on that level."""
-    blocks = split_points(grids[0].num_steps + 1, num_ranks)
+    blocks = level0_blocks(grids, num_ranks)
     result = []
     for grid in grids:
         ranges = [owned_range(grid, block) for block in blocks]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mgrit.grid import build_hierarchy, local_levels, owned_range, split_points
+from mgrit.grid import (alignment, build_hierarchy, level0_blocks, local_levels, owned_range,
+                        split_points)
 
 
 def test_hierarchy_sizes_and_strides():
@@ -30,7 +31,30 @@ def test_split_points_covers_every_point_once(points, size):
     owned = [p for first, last in blocks for p in range(first, last + 1)]
     assert owned == list(range(points))
     counts = [last - first + 1 for first, last in blocks]
-    assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("points,size,align", [(16385, 2, 256), (1025, 3, 16), (4097, 7, 64)])
+def test_aligned_split_starts_blocks_at_multiples(points, size, align):
+    blocks = split_points(points, size, align)
+    assert [p for a, b in blocks for p in range(a, b + 1)] == list(range(points))
+    assert all(a % align == 0 for a, _ in blocks)
+    counts = [b - a + 1 for a, b in blocks]
+    assert max(counts) - min(counts) <= align
+
+
+def test_alignment_picks_the_coarsest_stride_that_keeps_balance():
+    grids = build_hierarchy(16384, [4] * 4, levels=5, min_coarse=2)
+    assert alignment(grids, 2) == 256          # 16385 / 64 = 256
+    assert alignment(grids, 8) == 64           # 16385 / 256 = 64
+    assert alignment(grids, 64) == 4
+    assert alignment(grids, 1024) == 1
+    blocks = level0_blocks(grids, 2)
+    assert blocks == [(0, 8191), (8192, 16384)]
+    # every rank's first point is then a C-point on every relaxation level
+    for rank in range(2):
+        for loc in local_levels(grids, 2, rank)[:-1]:
+            assert loc.grid.is_c_point(loc.first)
 
 
 @pytest.mark.parametrize("num_steps,coarsening,levels", [
@@ -40,7 +64,7 @@ def test_split_points_covers_every_point_once(points, size):
 def test_partition_of_every_level(num_steps, coarsening, levels, size):
     grids = build_hierarchy(num_steps, coarsening, levels, min_coarse=1)
     per_rank = [local_levels(grids, size, rank) for rank in range(size)]
-    blocks = split_points(num_steps + 1, size)
+    blocks = level0_blocks(grids, size)
     for l, grid in enumerate(grids):
         owner = {}
         for rank in range(size):

@@ -39,7 +39,7 @@ SETTINGS = [
     (5, 2, "FCF", "F", "zero", 1.0, "auto"),
     (5, 2, "F", "V", "tensor", 1.0, "auto"),
 ]
-STEPS = [61, 64, 37, 5]
+STEPS = [61, 64, 37, 5, 600]
 
 
 def compare(name, prop, u0, t1, n, setting, tol):
