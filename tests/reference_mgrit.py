@@ -9,7 +9,7 @@ Notation
 --------
 Level 0 has points n = 0..N, h = (t1 - t0) / N.  Level l+1 keeps every m_l-th
 point of level l.  On level l a step from point j covers dt = h * M_l, where
-M_l is the product of the coarsening factors of the levels below l, and starts
+M_l = m_0 * ... * m_{l-1} (the factors of all finer levels), and starts
 at time t0 + (j * M_l) * h.  C-points of level l are the multiples of m_l;
 all other points are F-points.
 
