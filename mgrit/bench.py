@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -65,13 +64,9 @@ def w0_case() -> Case:
 def heat_case(nx: int = 20001, num_steps: int = 1024) -> Case:
     """A costly step: the heat equation on nx points, one tridiagonal solve per step."""
 
-    def forcing(x, t):
-        t = torch.as_tensor(t, dtype=torch.float64)
-        return -torch.sin(math.pi * x) * (torch.sin(t) - math.pi ** 2 * torch.cos(t))
-
-    prop = Heat1D(nx, a=1.0, forcing=forcing)
+    prop = Heat1D.sine_solution(nx)
     return Case("heat", f"u_t = u_xx + b, nx = {nx}, N = {num_steps} on [0, 2], levels 4, m = 4, "
-                "FCF, V-cycle, tol 1e-8", prop, prop.initial(lambda x: torch.sin(math.pi * x)),
+                "FCF, V-cycle, tol 1e-8", prop, prop.initial_sine(),
                 num_steps, 0.0, 2.0,
                 Config(levels=4, coarsening=4, relax="FCF", cycle="V", tol=1e-8, max_iter=50))
 

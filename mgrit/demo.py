@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
@@ -19,12 +18,8 @@ def heat_demo(nx: int = 257, num_steps: int = 4096, levels: int = 4, coarsening:
     """Solve u_t = u_xx + b on [0, 1] x [0, 2], exact solution sin(pi x) cos(t), with MGRIT
     and with sequential backward Euler; report the residual history and the agreement."""
 
-    def forcing(x, t):
-        t = torch.as_tensor(t, dtype=torch.float64)
-        return -torch.sin(math.pi * x) * (torch.sin(t) - math.pi ** 2 * torch.cos(t))
-
-    prop = Heat1D(nx, a=1.0, forcing=forcing)
-    u0 = prop.initial(lambda x: torch.sin(math.pi * x))
+    prop = Heat1D.sine_solution(nx)
+    u0 = prop.initial_sine()
     cfg = Config(levels=levels, coarsening=coarsening, relax=relax, cycle=cycle, tol=tol,
                  max_iter=50)
     start = time.perf_counter()
@@ -33,7 +28,7 @@ def heat_demo(nx: int = 257, num_steps: int = 4096, levels: int = 4, coarsening:
     start = time.perf_counter()
     seq = step_sequentially(prop, u0, num_steps, 0.0, 2.0)
     seq_s = time.perf_counter() - start
-    exact = torch.sin(math.pi * prop.x) * math.cos(2.0)
+    exact = prop.exact_sine(2.0)
     return {
         "residuals": res.residuals,
         "converged": res.converged,

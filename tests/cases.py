@@ -1,7 +1,5 @@
 """Problems shared by the in-process tests and the MPI scripts."""
 
-import math
-
 import torch
 
 from mgrit.problems import Dahlquist, DenseResNet, Heat1D
@@ -9,13 +7,8 @@ from mgrit.problems import Dahlquist, DenseResNet, Heat1D
 
 def heat_problem(nx: int = 33, a: float = 1.0) -> tuple[Heat1D, torch.Tensor]:
     """u_t = a u_xx + b on [0, 1] with exact solution sin(pi x) cos(t)."""
-
-    def forcing(x, t):
-        t = torch.as_tensor(t, dtype=torch.float64)
-        return -torch.sin(math.pi * x) * (torch.sin(t) - a * math.pi ** 2 * torch.cos(t))
-
-    prop = Heat1D(nx, a=a, forcing=forcing)
-    return prop, prop.initial(lambda x: torch.sin(math.pi * x))
+    prop = Heat1D.sine_solution(nx, a=a)
+    return prop, prop.initial_sine()
 
 
 def resnet_problem(num_steps: int = 64, width: int = 4, seed: int = 1,

@@ -43,7 +43,7 @@ def _dense_heat_step(prop: Heat1D, u, t, dt):
            - torch.diag(torch.ones(n - 1, dtype=torch.float64), 1)
            - torch.diag(torch.ones(n - 1, dtype=torch.float64), -1)) / prop.dx ** 2
     matrix = torch.eye(n, dtype=torch.float64) + dt * prop.a * lap
-    rhs = u + dt * prop.forcing(prop.x, t + dt)
+    rhs = u + dt * prop.forcing(prop.x, torch.tensor(t + dt, dtype=torch.float64))
     return torch.linalg.solve(matrix, rhs)
 
 
