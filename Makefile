@@ -1,5 +1,5 @@
 # make test: set up .venv (if missing) with the project and its dev extra, run every test.
-# make demo: same set-up, then run the project's main job.
+# make demo: same set-up, then run the project's main job on 2 MPI ranks.
 # Elsewhere (e.g. a CUDA machine) override the torch requirement: make test TORCH_SPEC="torch>=2.3"
 
 PYTHON ?= python3
@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not mpi and not slow"
 
 demo: $(STAMP)
-	$(VENV)/bin/mgrit demo
+	$(VENV)/bin/mpiexec -n 2 $(PY) -m mpi4py -m mgrit demo
 
 bench: $(STAMP)
 	$(VENV)/bin/mgrit bench w0

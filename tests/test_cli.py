@@ -42,3 +42,17 @@ def test_bad_option_is_a_clear_error():
     assert "relax='FFC' is not valid; choose one of 'F', 'FCF'" in proc.stderr
     proc = _mgrit("bench", "w9", check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_demo_on_two_ranks_agrees_with_sequential_stepping():
+    from conftest import mpiexec_path
+
+    proc = subprocess.run([str(mpiexec_path()), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                           "mgrit", "demo", "--nx", "33", "--steps", "256", "--levels", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "over 2 rank(s)" in lines[0] and "converged: True" in lines
+    diff = next(line for line in lines if line.startswith("max |MGRIT - sequential|"))
+    assert float(diff.split()[-1]) < 1e-9
