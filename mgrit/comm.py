@@ -34,6 +34,18 @@ class Comm(Protocol):
         """Raise on every rank when `value` differs between ranks."""
         ...
 
+    def dup(self) -> "Comm":
+        """A communicator over the same ranks whose messages never mix with this one's."""
+        ...
+
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        """Every rank's `obj` on root (pickled: for set-up and export, not hot paths)."""
+        ...
+
+    def allreduce_sum_(self, buf: Tensor) -> None:
+        """Sum `buf` over all ranks, in place."""
+        ...
+
 
 class SerialComm:
     """The one-rank communicator: nothing to exchange."""
@@ -55,6 +67,56 @@ class SerialComm:
 
     def agree(self, what: str, value: Any) -> None:
         return None
+
+    def dup(self) -> "SerialComm":
+        return self
+
+    def gather_object(self, obj: Any, root: int) -> list[Any]:
+        return [obj]
+
+    def allreduce_sum_(self, buf: Tensor) -> None:
+        return None
+
+
+class ReversedComm:
+    """The same ranks numbered backwards (rank r is the inner rank size-1-r).
+
+    The adjoint runs on the reversed time grid; numbering ranks backwards lets each
+    rank keep the layers and forward states it already holds.
+    """
+
+    def __init__(self, inner: Comm) -> None:
+        self.inner = inner
+        self.size = inner.size
+        self.rank = inner.size - 1 - inner.rank
+
+    def _map(self, rank: int) -> int:
+        return self.size - 1 - rank
+
+    def isend(self, buf: Tensor, dest: int, tag: int) -> Request:
+        return self.inner.isend(buf, self._map(dest), tag)
+
+    def irecv(self, buf: Tensor, source: int, tag: int) -> Request:
+        return self.inner.irecv(buf, self._map(source), tag)
+
+    def allreduce_sum(self, value: float) -> float:
+        return self.inner.allreduce_sum(value)
+
+    def bcast_(self, buf: Tensor, root: int) -> None:
+        self.inner.bcast_(buf, self._map(root))
+
+    def agree(self, what: str, value: Any) -> None:
+        self.inner.agree(what, value)
+
+    def dup(self) -> "ReversedComm":
+        return ReversedComm(self.inner.dup())
+
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        gathered = self.inner.gather_object(obj, self._map(root))
+        return None if gathered is None else gathered[::-1]
+
+    def allreduce_sum_(self, buf: Tensor) -> None:
+        self.inner.allreduce_sum_(buf)
 
 
 def _as_buffer(t: Tensor) -> np.ndarray:
@@ -138,6 +200,31 @@ class MPIComm:
             shown = "; ".join(f"rank {r}: {values[r]!r}" for r in [0] + differing[:3])
             raise ValueError(f"{what} differ between ranks ({shown}); every rank must pass "
                              "the same settings")
+
+    def dup(self) -> "MPIComm":
+        return MPIComm(self.comm.Dup())
+
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        return self.comm.gather(obj, root=root)
+
+    def allreduce_sum_(self, buf: Tensor) -> None:
+        self.comm.Allreduce(self._mpi.IN_PLACE, buf.detach().numpy(), op=self._mpi.SUM)
+
+
+def split_world(world: Any, layer_parallel: int) -> tuple[Any, Any]:
+    """Split an mpi4py communicator into layer-parallel groups of `layer_parallel` ranks
+    times data-parallel replicas: returns (layer_comm, data_comm) for this rank.
+
+    World rank w is rank w % layer_parallel of replica w // layer_parallel; data_comm joins
+    the ranks that hold the same layers in every replica.
+    """
+    size = world.Get_size()
+    if layer_parallel < 1 or size % layer_parallel:
+        raise ValueError(f"layer_parallel={layer_parallel} must divide the {size} ranks")
+    rank = world.Get_rank()
+    layer_comm = world.Split(color=rank // layer_parallel, key=rank)
+    data_comm = world.Split(color=rank % layer_parallel, key=rank)
+    return layer_comm, data_comm
 
 
 def as_comm(comm: Any) -> Comm:

@@ -10,7 +10,7 @@ import torch
 
 RELAX_KINDS = ("F", "FCF")
 CYCLE_KINDS = ("V", "F")
-GUESS_KINDS = ("zero", "nested")
+GUESS_KINDS = ("zero", "nested", "warm")
 TOL_KINDS = ("absolute", "relative")
 EXECUTIONS = ("auto", "loop", "batched")
 
@@ -48,7 +48,8 @@ class Config:
     relax_sweeps:   number nu of CF pairs in FCF relaxation, F(CF)^nu
     c_weight:       weight w of C-relaxation, u_c = w*(g + Phi(u)) + (1-w)*u_c
     cycle:          "V" or "F"
-    initial_guess:  "zero", "nested", or a tensor of shape (N+1, *u0.shape)
+    initial_guess:  "zero", "nested", "warm" (the states of the same Solver's previous
+                    solve; zero on its first), or a tensor of shape (N+1, *u0.shape)
     tol, tol_kind:  stop when residual <= tol ("absolute") or <= tol times
                     the initial residual ("relative")
     max_iter:       most cycles

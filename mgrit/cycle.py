@@ -13,7 +13,7 @@ from torch import Tensor
 from .comm import Comm, as_comm
 from .config import Config
 from .execute import make_executor
-from .grid import build_hierarchy, level0_blocks, local_levels
+from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
 from .propagator import Propagator
 from .relax import c_relax, f_relax, propagate_to_c_points, sweep
@@ -68,7 +68,8 @@ class Solver:
     """
 
     def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
-                 config: Config | None = None, comm: Comm | Any = None) -> None:
+                 config: Config | None = None, comm: Comm | Any = None,
+                 blocks: list[tuple[int, int]] | None = None) -> None:
         config = Config() if config is None else config
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mgrit.Config, got {type(config).__name__}")
@@ -98,10 +99,17 @@ class Solver:
                          tuple(sorted(config.describe().items()))))
         grids = build_hierarchy(num_steps, config.coarsening_list(), config.levels,
                                 config.min_coarse)
+        if blocks is None:
+            blocks = level0_blocks(grids, self.comm.size)
+        elif len(blocks) != self.comm.size:
+            raise ValueError(f"blocks lists {len(blocks)} ranks, the communicator has "
+                             f"{self.comm.size}")
+        check_blocks(blocks, num_steps + 1)
+        self.blocks = list(blocks)
         h = (t1 - t0) / num_steps
         self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
-                       for local in local_levels(grids, self.comm.size, self.comm.rank)]
-        blocks = level0_blocks(grids, self.comm.size)
+                       for local in local_levels(grids, self.comm.size, self.comm.rank, blocks)]
+        self._has_solved = False
         self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
         self._step_checked = False
 
@@ -123,8 +131,11 @@ class Solver:
             raise ValueError("u0 contains NaN or Inf")
 
     def _check_step(self, u0: Tensor) -> None:
-        """One fine step on u0 must give a tensor of u0's shape and dtype."""
-        out = self.prop.step(u0, self.levels[0].step(0))
+        """One fine step on u0 (the first step this rank takes) must keep shape and dtype."""
+        fine = self.levels[0]
+        if fine.empty:
+            return
+        out = self.prop.step(u0, fine.step(max(fine.first - 1, 0)))
         if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
             got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
                    else type(out).__name__)
@@ -145,7 +156,7 @@ class Solver:
                 fine.u[1:] = guess[fine.first: fine.last + 1]
                 if fine.first > 0:
                     fine.u[0] = guess[fine.first - 1]
-        else:
+        elif guess != "warm" or not self._has_solved:
             fine.u.zero_()
         for level in self.levels:
             if level.empty:
@@ -236,6 +247,15 @@ class Solver:
                 local = float(torch.linalg.vector_norm(r)) ** 2
         return math.sqrt(self.comm.allreduce_sum(local))
 
+    def fine_states(self) -> tuple[Tensor, int]:
+        """The rank's level-0 storage and the point its first row holds.
+
+        Row 0 is the previous rank's last point (valid after a solve), rows 1.. the
+        rank's own points: the linearisation states a backward pass needs.
+        """
+        fine = self.levels[0]
+        return fine.u, fine.first - 1
+
     def _drain(self) -> None:
         for level in self.levels:
             level.drain()
@@ -282,6 +302,7 @@ class Solver:
                 converged = True
                 break
         self._drain()
+        self._has_solved = True
         fine = self.levels[0]
         final = torch.zeros_like(u0)
         if self.comm.rank == self._final_owner:

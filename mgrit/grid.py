@@ -127,9 +127,27 @@ class LocalLevel:
         return self.last < self.first
 
 
-def local_levels(grids: Sequence[LevelGrid], num_ranks: int, rank: int) -> list[LocalLevel]:
-    """The rank's part of every level, with its neighbours on that level."""
-    blocks = level0_blocks(grids, num_ranks)
+def check_blocks(blocks: Sequence[tuple[int, int]], num_points: int) -> None:
+    """Blocks must cover 0..num_points-1 contiguously, in rank order (empty ones allowed)."""
+    expected = 0
+    for first, last in blocks:
+        if last >= first:
+            if first != expected:
+                raise ValueError(f"rank blocks {list(blocks)} do not cover 0..{num_points - 1} "
+                                 "contiguously in rank order")
+            expected = last + 1
+    if expected != num_points:
+        raise ValueError(f"rank blocks {list(blocks)} do not cover 0..{num_points - 1}")
+
+
+def local_levels(grids: Sequence[LevelGrid], num_ranks: int, rank: int,
+                 blocks: Sequence[tuple[int, int]] | None = None) -> list[LocalLevel]:
+    """The rank's part of every level, with its neighbours on that level.
+
+    `blocks` gives each rank's level-0 points; by default `level0_blocks`.
+    """
+    if blocks is None:
+        blocks = level0_blocks(grids, num_ranks)
     result = []
     for grid in grids:
         ranges = [owned_range(grid, block) for block in blocks]
@@ -144,3 +162,70 @@ def local_levels(grids: Sequence[LevelGrid], num_ranks: int, rank: int) -> list[
         result.append(LocalLevel(grid=grid, first=first, last=last,
                                  prev_rank=prev_rank, next_rank=next_rank))
     return result
+
+
+# Layers of a residual network: layer n is the step from point n to n+1. ------------------
+
+def layer_ranges(blocks: Sequence[tuple[int, int]], num_steps: int) -> list[tuple[int, int]]:
+    """Layers (first, last) each rank owns: layer n lives with point n+1, whose update on
+    the fine level uses it, so fine forward steps never need another rank's layer."""
+    ranges = []
+    for first, last in blocks:
+        lo, hi = max(first - 1, 0), min(last - 1, num_steps - 1)
+        ranges.append((lo, hi) if last >= first and hi >= lo else (lo, lo - 1))
+    return ranges
+
+
+def adjoint_blocks(blocks: Sequence[tuple[int, int]], num_steps: int) -> list[tuple[int, int]]:
+    """Level-0 blocks of the adjoint solve, in reversed rank numbering.
+
+    The adjoint runs on the reversed grid (reversed point k is forward point N - k) and
+    its step from reversed point k to k+1 is the VJP of layer N-1-k. Giving each rank the
+    forward points of its own layers (and point N to the owner of layer N-1) makes every
+    adjoint step, fine or coarse, use a layer and a forward state the rank already holds.
+    Rank r of the forward numbering is rank size-1-r of the adjoint one.
+    """
+    forward = []
+    for (first, last), (lo, hi) in zip(blocks, layer_ranges(blocks, num_steps)):
+        if hi < lo:
+            forward.append(None)
+        else:
+            forward.append((lo, num_steps if last == num_steps else hi))
+    reversed_blocks = []
+    for span in reversed(forward):
+        if span is None:
+            reversed_blocks.append((0, -1))
+        else:
+            reversed_blocks.append((num_steps - span[1], num_steps - span[0]))
+    # empty blocks take the position of their neighbours so the list stays ordered
+    fixed, nxt = [], 0
+    for first, last in reversed_blocks:
+        fixed.append((first, last) if last >= first else (nxt, nxt - 1))
+        if last >= first:
+            nxt = last + 1
+    return fixed
+
+
+def coarse_layer_needs(grids: Sequence[LevelGrid],
+                       blocks: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(rank, layer, owner) for every layer a rank's coarse forward steps use but another
+    rank owns: a coarse step j on level l ends at point j+1 (where it is computed) and uses
+    layer j*M_l, which may lie before the rank's block. At most one per level and rank."""
+    num_steps = grids[0].num_steps
+    ranges = layer_ranges(blocks, num_steps)
+
+    def owner(layer: int) -> int:
+        return next(r for r, (lo, hi) in enumerate(ranges) if lo <= layer <= hi)
+
+    needs = set()
+    for rank, block in enumerate(blocks):
+        lo, hi = ranges[rank]
+        for grid in grids[1:]:
+            first, last = owned_range(grid, block)
+            first = max(first, 1)
+            if last < first:
+                continue
+            layer = (first - 1) * grid.stride
+            if not lo <= layer <= hi:
+                needs.add((rank, layer, owner(layer)))
+    return sorted(needs)

@@ -1,0 +1,79 @@
+"""Small residual networks built twice: layer-parallel and as the equivalent plain network."""
+
+import torch
+from torch import nn
+
+import mgrit
+
+WIDTH, CLASSES = 8, 3
+
+
+def dense_parts():
+    opening = nn.Linear(5, WIDTH)
+    closing = nn.Linear(WIDTH, CLASSES)
+    return opening, closing, lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+
+def conv_parts():
+    opening = nn.Conv2d(1, 3, 3, padding=1)
+    closing = nn.Sequential(nn.Flatten(), nn.Linear(3 * 6 * 6, CLASSES))
+    return opening, closing, lambda: nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(),
+                                                   nn.Conv2d(3, 3, 3, padding=1), nn.ReLU())
+
+
+PARTS = {"dense": dense_parts, "conv": conv_parts}
+
+
+def data(kind: str, batch: int, seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, 5) if kind == "dense" else (batch, 1, 6, 6)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (batch,), generator=gen)
+    return x, y
+
+
+def build(kind: str, num_steps: int, forward=None, backward=None, comm=None, data_comm=None,
+          seed: int = 1):
+    """(layer-parallel model, plain serial network) with identical initial weights."""
+    torch.manual_seed(seed)
+    opening, closing, step = PARTS[kind]()
+    model = mgrit.LayerParallel(step, num_steps, 1.0, forward=forward, backward=backward,
+                                comm=comm, opening=opening, closing=closing, data_comm=data_comm)
+    torch.manual_seed(seed)
+    opening, closing, step = PARTS[kind]()
+    serial = mgrit.serial_resnet(step, num_steps, 1.0, opening, closing)
+    return model.double(), serial.double()
+
+
+def owned_pairs(model, serial, grad: bool = False):
+    """(layer-parallel, serial) tensors, or their gradients, for every parameter this rank
+    holds: its layers and the replicated opening and closing."""
+    def pick(t):
+        return t.grad if grad else t.detach()
+
+    lo, hi = model.layer_range
+    pairs = []
+    for name in model.layers.names:
+        stacked = pick(model.layers.params[name.replace(".", "__")])
+        for n in range(lo, hi + 1):
+            pairs.append((stacked[n - lo], pick(serial[n + 1].f.get_parameter(name))))
+    for mine, ref in ((model.opening, serial[0]), (model.closing, serial[-1])):
+        pairs += [(pick(a), pick(b)) for a, b in zip(mine.parameters(), ref.parameters())]
+    return pairs
+
+
+def relative(pairs) -> float:
+    num = den = 0.0
+    for a, b in pairs:
+        num += float((a - b).pow(2).sum())
+        den += float(b.pow(2).sum())
+    return (num / den) ** 0.5 if den else num ** 0.5
+
+
+def cosine(pairs) -> float:
+    dot = na = nb = 0.0
+    for a, b in pairs:
+        dot += float((a * b).sum())
+        na += float(a.pow(2).sum())
+        nb += float(b.pow(2).sum())
+    return dot / (na * nb) ** 0.5

@@ -1,0 +1,155 @@
+"""LayerParallel against serial autograd on the equivalent plain network."""
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+
+from nets import build, data, owned_pairs, relative
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_gradients_and_training_equal_serial_autograd(mpi, nprocs):
+    """Dense (N = 13, 16) and conv (N = 7) networks, float64: with levels=1 or converged
+    multilevel solves, output, input gradient and every parameter gradient equal serial
+    autograd; two SGD-momentum steps reproduce serial training. Inexact solves (2 forward
+    cycles, 1 backward cycle) give the same numbers on every rank count."""
+    run = mpi("layer_parallel.py", nprocs, "agreement", timeout=300)
+    assert run.returncode == 0, run.stderr
+    inexact = {}
+    for rank, rep in run.by_rank().items():
+        for case, values in rep["results"].items():
+            if case.endswith("exact") and not case.endswith("inexact"):
+                assert values["output"] <= 1e-10 and values["input_grad"] <= 1e-10
+                assert values["param_grads"] <= 1e-10, (rank, case, values)
+            elif case.endswith("converged"):
+                assert max(values["output"], values["input_grad"],
+                           values["param_grads"]) <= 1e-8, (rank, case, values)
+            elif case.endswith("train2"):
+                assert values["params"] <= 1e-10, (rank, case, values)
+            else:
+                inexact[case] = values
+    # output and input gradient are the same numbers whatever the rank count (dense, N=13)
+    assert inexact["dense-13-inexact"]["output"] == pytest.approx(0.0200, abs=5e-4)
+    assert inexact["dense-13-inexact"]["input_grad"] == pytest.approx(0.170, abs=5e-3)
+
+
+@pytest.mark.mpi
+def test_two_by_two_data_parallel_equals_serial_full_batch(mpi):
+    run = mpi("layer_parallel.py", 4, "data-parallel", timeout=120)
+    assert run.returncode == 0, run.stderr
+    reports = run.by_rank()
+    assert {(r["results"]["2x2"]["layer_rank"], r["results"]["2x2"]["data_rank"])
+            for r in reports.values()} == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    for rep in reports.values():
+        assert rep["results"]["2x2"]["params"] <= 1e-10
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_exported_serial_network_gives_the_same_outputs(mpi, nprocs):
+    run = mpi("layer_parallel.py", nprocs, "export", timeout=120)
+    assert run.returncode == 0, run.stderr
+    reports = run.by_rank()
+    assert reports[0]["results"]["export"] == {"difference": pytest.approx(0.0, abs=1e-12),
+                                              "layers": 9}
+    assert all(reports[r]["results"]["export"]["is_none"] for r in range(1, nprocs))
+
+
+@pytest.mark.mpi
+def test_resume_from_checkpoint_continues_exactly(mpi, tmp_path):
+    run = mpi("layer_parallel.py", 3, "checkpoint", str(tmp_path / "ck"), timeout=120)
+    assert run.returncode == 0, run.stderr
+    for rank, rep in run.by_rank().items():
+        res = rep["results"]
+        assert res["resume"]["difference"] == 0.0
+        assert res["resume"]["extra"] == {"step": 2}
+        assert res["resume"]["files"] == [f"rank{r:05d}-of-00003.pt" for r in range(3)]
+        assert "num_steps is 16 there and 15 here" in res["refused"]
+
+
+@pytest.mark.mpi
+def test_batch_shapes_that_differ_between_ranks_fail_everywhere(mpi):
+    run = mpi("layer_parallel.py", 3, "bad-batch", timeout=60)
+    assert run.returncode == 0, run.stderr
+    for rep in run.by_rank().values():
+        assert "input batch shape and dtype differ between ranks" in rep["results"]["error"]
+
+
+def test_no_grad_forward_does_not_disturb_the_pending_backward():
+    model, serial = build("dense", 12, mgrit.Config(levels=1), mgrit.Config(levels=1))
+    x, y = data("dense", 4)
+    loss = nn.functional.cross_entropy(model(x), y)
+    with torch.no_grad():
+        model(torch.randn(4, 5, dtype=torch.float64))
+    loss.backward()
+    nn.functional.cross_entropy(serial(x), y).backward()
+    assert relative(owned_pairs(model, serial, grad=True)) <= 1e-12
+
+
+def test_backward_through_a_stale_forward_is_refused():
+    model, _ = build("dense", 12, mgrit.Config(levels=1), mgrit.Config(levels=1))
+    x, y = data("dense", 4)
+    first = nn.functional.cross_entropy(model(x), y)
+    nn.functional.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="older forward pass"):
+        first.backward()
+
+
+def test_warm_start_reuses_the_previous_solution():
+    warm = mgrit.Config(levels=3, coarsening=2, relax="FCF", tol=0.0, max_iter=1, min_coarse=1,
+                        initial_guess="warm")
+    model, _ = build("dense", 16, warm, warm)
+    x, _ = data("dense", 4)
+    with torch.no_grad():
+        first = model(x)
+        first_residual = model.stats["forward"]["residuals"][0]
+        second = model(x)   # starts from the first solve's states: one more cycle's worth
+        second_residual = model.stats["forward"]["residuals"][0]
+    cold, _ = build("dense", 16, mgrit.Config(levels=1), mgrit.Config(levels=1))
+    exact = cold(x).detach()
+    assert (second - exact).norm() < 0.2 * (first - exact).norm()
+    assert second_residual < 0.2 * first_residual
+
+
+class _WrongShape(nn.Module):
+    def forward(self, u):
+        return u[..., :-1]
+
+
+def _alternating_requires_grad():
+    """Layers whose weights are trainable in every other layer only."""
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return nn.Linear(8, 8).requires_grad_(len(calls) % 2 == 1)
+    return factory
+
+
+@pytest.mark.parametrize("factory,words", [
+    (lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)),
+     "BatchNorm1d with running statistics"),
+    (_alternating_requires_grad(), "differs from layer 0 in its parameters"),
+    (lambda: 3, "must return an nn.Module"),
+])
+def test_bad_step_modules_are_refused_at_construction(factory, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        mgrit.LayerParallel(factory, 8, forward=mgrit.Config(levels=1),
+                            backward=mgrit.Config(levels=1))
+
+
+def test_step_that_changes_the_shape_is_named():
+    model = mgrit.LayerParallel(_WrongShape, 8, forward=mgrit.Config(levels=1),
+                                backward=mgrit.Config(levels=1))
+    with pytest.raises(ValueError, match=r"maps a state of shape \(2, 8\).*same shape"):
+        model(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("levels,coarsening,words", [(3, 4, "too small"), (5, 2, "too small")])
+def test_too_few_layers_for_the_hierarchy(levels, coarsening, words):
+    with pytest.raises(ValueError, match=words):
+        mgrit.LayerParallel(lambda: nn.Linear(4, 4), 8,
+                            forward=mgrit.Config(levels=levels, coarsening=coarsening))
