@@ -13,9 +13,10 @@ Adjoint:  on the reversed grid, w -> w + dt * (df/du)(u_p; theta_p)^T w, with p 
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
@@ -26,6 +27,142 @@ _NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
 
 def _sanitize(name: str) -> str:
     return name.replace(".", "__")
+
+
+# derivative of an activation from its output y: dz = g * slope(y)
+_ACTIVATION_SLOPES: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
+    nn.Tanh: lambda m, y: 1 - y * y,
+    nn.Sigmoid: lambda m, y: y * (1 - y),
+    nn.ReLU: lambda m, y: (y > 0).to(y.dtype),
+    nn.LeakyReLU: lambda m, y: torch.where(y > 0, 1.0, m.negative_slope).to(y.dtype),
+    nn.Identity: lambda m, y: torch.ones_like(y),
+}
+
+
+class _Linear:
+    """nn.Linear over a stack of layers: batched matrix products."""
+
+    def __init__(self, weight: str, bias: str | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])
+        w = t[self.weight].transpose(1, 2)
+        y = (torch.baddbmm(t[self.bias][:, None, :], flat, w) if self.bias
+             else torch.bmm(flat, w))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
+                 grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
+        flat_g = g.reshape(g.shape[0], -1, g.shape[-1])
+        if grads is not None:
+            grads[self.weight] = torch.bmm(flat_g.transpose(1, 2),
+                                           x.reshape(x.shape[0], -1, x.shape[-1]))
+            if self.bias:
+                grads[self.bias] = flat_g.sum(1)
+        return torch.bmm(flat_g, t[self.weight]).reshape(x.shape) if need_input else None
+
+
+class _Conv2d:
+    """A 'same' stride-1 nn.Conv2d over a stack of layers, one layer at a time (a CPU
+    runs one convolution per layer faster than a grouped one). The input gradient is a
+    convolution with the flipped, transposed kernel, several times faster on a CPU than
+    the transposed convolution autograd uses."""
+
+    def __init__(self, weight: str, bias: str | None, padding: tuple[int, int]) -> None:
+        self.weight, self.bias, self.padding = weight, bias, padding
+
+    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        w, b = t[self.weight], t[self.bias] if self.bias else None
+        return torch.stack([F.conv2d(x[i], w[i], None if b is None else b[i],
+                                     padding=self.padding) for i in range(len(x))])
+
+    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
+                 grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
+        w = t[self.weight]
+        if grads is not None:
+            grads[self.weight] = torch.stack([
+                torch.nn.grad.conv2d_weight(x[i], w[i].shape, g[i], padding=self.padding)
+                for i in range(len(x))])
+            if self.bias:
+                grads[self.bias] = g.sum((1, 3, 4))
+        if not need_input:
+            return None
+        return torch.stack([F.conv2d(g[i], w[i].transpose(0, 1).flip(2, 3),
+                                     padding=self.padding) for i in range(len(x))])
+
+
+class _Activation:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        return self.module(x)
+
+    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
+                 grads: dict[str, Tensor] | None, need_input: bool) -> Tensor:
+        return g * _ACTIVATION_SLOPES[type(self.module)](self.module, y)
+
+
+def _chain_op(name: str, mod: nn.Module) -> "_Linear | _Conv2d | _Activation | None":
+    if type(mod) is nn.Linear:
+        return _Linear(name + "weight", name + "bias" if mod.bias is not None else None)
+    if type(mod) is nn.Conv2d:
+        k = mod.kernel_size
+        pad = mod.padding
+        if pad == "same":
+            pad = (k[0] // 2, k[1] // 2)
+        if (mod.stride == (1, 1) and mod.dilation == (1, 1) and mod.groups == 1
+                and mod.padding_mode == "zeros" and isinstance(pad, tuple)
+                and all(2 * p == kk - 1 for p, kk in zip(pad, k))):
+            return _Conv2d(name + "weight", name + "bias" if mod.bias is not None else None,
+                           pad)
+        return None
+    if type(mod) in _ACTIVATION_SLOPES and not getattr(mod, "inplace", False):
+        return _Activation(mod)
+    return None
+
+
+class Chain:
+    """Hand-written kernels for a step module that is a chain of nn.Linear, 'same'
+    stride-1 nn.Conv2d and simple activations (Tanh, Sigmoid, ReLU, LeakyReLU, Identity):
+    forward, input VJP and parameter VJP over a stack of layers. Linear layers become
+    batched matrix products, several times cheaper than a vmapped functional call;
+    convolutions avoid autograd's slow transposed convolution. `of(template)` is None
+    for any other module, which then goes through torch.func."""
+
+    def __init__(self, ops: list) -> None:
+        self.ops = ops
+
+    @classmethod
+    def of(cls, template: nn.Module) -> "Chain | None":
+        if isinstance(template, nn.Sequential):
+            named = [(f"{i}.", mod) for i, mod in enumerate(template)]
+        else:
+            named = [("", template)]
+        ops = [_chain_op(name, mod) for name, mod in named]
+        if not ops or any(op is None for op in ops) or any(True for _ in template.buffers()):
+            return None
+        return cls(ops)
+
+    def _run(self, t: dict[str, Tensor], x: Tensor) -> list[Tensor]:
+        values = [x]
+        for op in self.ops:
+            values.append(op.forward(t, values[-1]))
+        return values
+
+    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        return self._run(t, x)[-1]
+
+    def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, params: bool
+            ) -> Tensor | dict[str, Tensor]:
+        """The input cotangent (params=False) or the parameter cotangents (params=True)."""
+        values = self._run(t, x)
+        grads: dict[str, Tensor] | None = {} if params else None
+        for i in range(len(self.ops) - 1, -1, -1):
+            g = self.ops[i].backward(t, values[i], values[i + 1], g, grads,
+                                     need_input=not (params and i == 0))
+        return grads if params else g
 
 
 def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
@@ -97,6 +234,9 @@ class LayerStack(nn.Module):
         # of the registered submodules so its own weights are neither trained nor saved.
         template.requires_grad_(False)
         object.__setattr__(self, "template", template)
+        self._modules_by_layer: dict[int, nn.Module] = {}
+        self._storage_key: tuple = ()
+        self.chain = Chain.of(template)
 
     @property
     def count(self) -> int:
@@ -118,25 +258,51 @@ class LayerStack(nn.Module):
                        "ghost on this rank")
 
     def rows(self, start: int, stride: int, count: int) -> dict[str, Tensor]:
-        """Stacked tensors of layers start, start+stride, ... (a view when all are owned)."""
+        """Stacked tensors of layers start, start+stride, ... (a view when all are owned
+        and ascending, a gathered copy otherwise)."""
         end = start + stride * (count - 1)
-        if self.first <= min(start, end) and max(start, end) <= self.last and stride > 0:
+        if self.first <= min(start, end) and max(start, end) <= self.last:
             lo = start - self.first
-            return {k: v[lo: lo + stride * (count - 1) + 1: stride]
-                    for k, v in self.tensors().items()}
+            if stride > 0:
+                return {k: v[lo: lo + stride * (count - 1) + 1: stride]
+                        for k, v in self.tensors().items()}
+            index = torch.arange(lo, lo + stride * count, stride)
+            return {k: v.index_select(0, index) for k, v in self.tensors().items()}
         layers = [start + i * stride for i in range(count)]
         per_layer = [self.layer_tensors(n) for n in layers]
         return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
 
     def set_ghost(self, layer: int, flat: Tensor) -> None:
-        """Unpack a layer sent by its owner (see `flatten_layer`)."""
+        """Unpack a layer sent by its owner (see `flatten_layer`), in place if known."""
         shapes = {k: v.shape[1:] for k, v in self.tensors().items()}
         out, offset = {}, 0
         for k, shape in shapes.items():
             size = int(torch.Size(shape).numel())
-            out[k] = flat[offset: offset + size].view(shape).clone()
+            out[k] = flat[offset: offset + size].view(shape)
             offset += size
-        self.ghosts[layer] = out
+        if layer in self.ghosts:
+            for k, value in out.items():
+                self.ghosts[layer][k].copy_(value)
+        else:
+            self.ghosts[layer] = {k: v.clone() for k, v in out.items()}
+
+    def module(self, layer: int) -> nn.Module:
+        """Layer `layer` as a plain module whose weights are (detached) views of the stacked
+        tensors: a direct call, much cheaper than a functional call for single steps."""
+        key = tuple(t.data_ptr() for t in self.tensors().values())
+        if key != self._storage_key:
+            self._modules_by_layer.clear()
+            self._storage_key = key
+        if layer not in self._modules_by_layer:
+            mod = copy.deepcopy(self.template)
+            for name, value in self.layer_tensors(layer).items():
+                path, _, attr = name.rpartition(".")
+                sub = mod.get_submodule(path)
+                sub._parameters.pop(attr, None)
+                sub._buffers.pop(attr, None)
+                setattr(sub, attr, value.detach())
+            self._modules_by_layer[layer] = mod
+        return self._modules_by_layer[layer]
 
     def placeholder(self) -> dict[str, Tensor]:
         """Zero tensors of one layer's shapes and dtypes (for checking what f returns)."""
@@ -154,7 +320,29 @@ class LayerStack(nn.Module):
         return functional_call(self.template, tensors, (u,))
 
     def f_batch(self, tensors: dict[str, Tensor], states: Tensor) -> Tensor:
+        if self.chain is not None:
+            return self.chain.forward(tensors, states)
         return vmap(self.f)(tensors, states)
+
+    def _vjp_input(self, tensors: dict[str, Tensor], u: Tensor, w: Tensor) -> Tensor:
+        return vjp(lambda x: self.f(tensors, x), u)[1](w)[0]
+
+    def vjp_input_batch(self, tensors: dict[str, Tensor], states: Tensor,
+                        cotangents: Tensor) -> Tensor:
+        """(df/du)^T w for every layer of a batch."""
+        if self.chain is not None:
+            return self.chain.vjp(tensors, states, cotangents, params=False)
+        return vmap(self._vjp_input)(tensors, states, cotangents)
+
+    def vjp_params_batch(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                         states: Tensor, cotangents: Tensor) -> dict[str, Tensor]:
+        """(df/dtheta)^T w for every layer of a batch, per parameter name."""
+        if self.chain is not None:
+            return self.chain.vjp(params, states, cotangents, params=True)
+
+        def one(p, b, u, w):
+            return vjp(lambda q: self.f({**q, **b}, u), p)[1](w)[0]
+        return vmap(one)(params, buffers, states, cotangents)
 
 
 class NetworkPropagator:
@@ -170,7 +358,10 @@ class NetworkPropagator:
             self.step_batch = self._step_batch
 
     def step(self, u: Tensor, s: Step) -> Tensor:
-        return u + s.dt * self.stack.f(self.stack.layer_tensors(s.fine_index), u)
+        if self.stack.chain is not None:
+            tensors = self.stack.rows(s.fine_index, 1, 1)
+            return u + s.dt * self.stack.chain.forward(tensors, u[None])[0]
+        return u + s.dt * self.stack.module(s.fine_index)(u)
 
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         m = steps.level_stride
@@ -193,13 +384,16 @@ class AdjointPropagator:
         if batched:
             self.step_batch = self._step_batch
 
-    def _vjp(self, tensors: dict[str, Tensor], u: Tensor, w: Tensor) -> Tensor:
-        return vjp(lambda x: self.stack.f(tensors, x), u)[1](w)[0]
-
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self.num_steps - s.fine_index - self.strides[s.level]
-        u = self.states[p - self.offset]
-        return w + s.dt * self._vjp(self.stack.layer_tensors(p), u, w)
+        if self.stack.chain is not None:
+            tensors = self.stack.rows(p, 1, 1)
+            u = self.states[p - self.offset]
+            return w + s.dt * self.stack.chain.vjp(tensors, u[None], w[None], params=False)[0]
+        with torch.enable_grad():
+            u = self.states[p - self.offset].detach().requires_grad_()
+            y = self.stack.module(p)(u)
+            return w + s.dt * torch.autograd.grad(y, u, w)[0]
 
     def _step_batch(self, ws: Tensor, steps: StepBatch) -> Tensor:
         m = self.strides[steps.level]
@@ -208,7 +402,7 @@ class AdjointPropagator:
         points = torch.arange(first, first + stride * steps.count, stride)
         us = self.states.index_select(0, points - self.offset)
         tensors = self.stack.rows(first, stride, steps.count)
-        return ws + steps.dt * vmap(self._vjp)(tensors, us, ws)
+        return ws + steps.dt * self.stack.vjp_input_batch(tensors, us, ws)
 
 
 def parameter_gradients(stack: LayerStack, states: Tensor, adjoints: Tensor, dt: float,
@@ -225,19 +419,12 @@ def parameter_gradients(stack: LayerStack, states: Tensor, adjoints: Tensor, dt:
     buffers = {name: getattr(stack, "buf__" + _sanitize(name)) for name in stack.buffer_names}
     params = {name: stack.params[_sanitize(name)].detach() for name in names}
 
-    def one(p: dict[str, Tensor], b: dict[str, Tensor], u: Tensor, w: Tensor) -> dict[str, Tensor]:
-        return vjp(lambda q: stack.f({**q, **b}, u), p)[1](w)[0]
-
-    for lo in range(0, stack.count, chunk if batched else 1):
-        hi = min(lo + (chunk if batched else 1), stack.count)
+    step = chunk if batched else 1
+    for lo in range(0, stack.count, step):
+        hi = min(lo + step, stack.count)
         p = {k: v[lo:hi] for k, v in params.items()}
         b = {k: v[lo:hi] for k, v in buffers.items()}
-        if batched:
-            out = vmap(one)(p, b, states[lo:hi], adjoints[lo:hi])
-        else:
-            single = one({k: v[0] for k, v in p.items()}, {k: v[0] for k, v in b.items()},
-                         states[lo], adjoints[lo])
-            out = {k: v[None] for k, v in single.items()}
+        out = stack.vjp_params_batch(p, b, states[lo:hi], adjoints[lo:hi])
         for name in names:
             grads[name][lo:hi] = dt * out[name]
     return grads
