@@ -2,6 +2,7 @@
 
     mgrit bench w0 [--json FILE] [--repeats R]
     mgrit bench w0 heat --ranks 1,2 [--json FILE]
+    mgrit bench w1 w2 w3 --ranks 1,2
 
 Without --ranks a workload runs in this process and its MGRIT solve is timed against
 sequential stepping of the same propagator. With --ranks it is also launched under
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import bench_train
 from .config import Config
 from .cycle import Result, solve
 from .problems import Dahlquist, Heat1D
@@ -152,19 +154,22 @@ def mpiexec() -> str:
     return found
 
 
+def launch(name: str, ranks: int, repeats: int) -> dict[str, Any]:
+    """Run the workload's worker under `mpiexec -n ranks`; return what rank 0 wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "record.json"
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mgrit.bench",
+               name, "--worker", str(out), "--repeats", str(repeats)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+        return json.loads(out.read_text())
+
+
 def run_ranks(name: str, ranks: list[int], repeats: int) -> list[dict[str, Any]]:
     """Launch the workload on each rank count; add efficiency T1/(P*TP) against the first."""
-    records = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in ranks:
-            out = Path(tmp) / f"{name}-{p}.json"
-            cmd = [mpiexec(), "-n", str(p), sys.executable, "-m", "mpi4py", "-m", "mgrit.bench",
-                   name, "--worker", str(out), "--repeats", str(repeats)]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-            records.append(json.loads(out.read_text()))
+    records = [launch(name, p, repeats) for p in ranks]
     base = records[0]
     for rec in records:
         speedup = base["solve_seconds"] / rec["solve_seconds"]
@@ -202,9 +207,12 @@ def print_ranks(case: Case, serial: dict[str, Any], records: list[dict[str, Any]
     print(f"(sequential stepping in one process: {serial['sequential_seconds'] * 1e3:.2f} ms)")
 
 
+ALL_WORKLOADS = sorted(CASES) + sorted(bench_train.WORKLOADS) + ["w3"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workloads", nargs="+", choices=sorted(CASES), metavar="WORKLOAD",
-                        help=f"workloads to run: {', '.join(sorted(CASES))}")
+    parser.add_argument("workloads", nargs="+", choices=ALL_WORKLOADS, metavar="WORKLOAD",
+                        help=f"workloads to run: {', '.join(ALL_WORKLOADS)}")
     parser.add_argument("--ranks", help="comma-separated rank counts, e.g. 1,2")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per method (median)")
@@ -226,11 +234,27 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be >= 1")
     torch.set_num_threads(1)
     if args.worker:
-        run_worker(CASES[args.workloads[0]](), args.repeats, Path(args.worker))
+        name = args.workloads[0]
+        if name in CASES:
+            run_worker(CASES[name](), args.repeats, Path(args.worker))
+        else:
+            bench_train.worker(name, args.repeats, Path(args.worker))
         return 0
     ranks = _parse_ranks(args.ranks) if args.ranks else None
     output: list[dict[str, Any]] = []
     for name in args.workloads:
+        if name == "w3":
+            records = bench_train.accuracy_records(ranks or [1], launch)
+            bench_train.print_accuracy(records)
+            output.extend(records)
+            print()
+            continue
+        if name in bench_train.WORKLOADS:
+            records = bench_train.timing_records(name, ranks or [1], args.repeats, launch)
+            bench_train.print_timing(name, records)
+            output.extend(records)
+            print()
+            continue
         case = CASES[name]()
         serial = run_serial(case, args.repeats)
         print_serial(case, serial)

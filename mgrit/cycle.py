@@ -110,6 +110,7 @@ class Solver:
         self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
                        for local in local_levels(grids, self.comm.size, self.comm.rank, blocks)]
         self._has_solved = False
+        self._phi_cache: tuple[int, Tensor] | None = None
         self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
         self._step_checked = False
 
@@ -145,6 +146,7 @@ class Solver:
 
     # set-up of one solve -----------------------------------------------------
     def _initialize(self, u0: Tensor, guess: str | Tensor) -> None:
+        self._phi_cache = None
         for level in self.levels:
             level.drain()
             if level.index > 0:
@@ -179,7 +181,7 @@ class Solver:
         coarse.publish_v()
         first_c, count = fine.c_points()
         if count:
-            phi = propagate_to_c_points(fine, self.prop, self.executor, first_c, count)
+            phi = self._phi_at_c_points(fine, first_c, count)
             rows = fine.rows(first_c, m, count)
             if fine.g is None:
                 residual = phi - fine.u[rows]
@@ -208,7 +210,7 @@ class Solver:
                 fine.u[rows] += coarse.u[1:] - coarse.v[1:]
             else:
                 fine.u[rows] = coarse.u[1:]
-        fine.publish(c_phase=True)
+        fine.changed(c_phase=True)
 
     def _cycle(self, l: int, kind: str, first_f: bool) -> None:
         level = self.levels[l]
@@ -235,6 +237,18 @@ class Solver:
             if l > 0:
                 self._cycle(l, "V", True)
 
+    def _phi_at_c_points(self, level: Level, first_c: int, count: int) -> Tensor:
+        """Phi(u_{c-1}) at the rank's C-points of level 0, reused while u is unchanged: with
+        F-relaxation the residual after a cycle and the next restriction need the same values."""
+        if level.index > 0:
+            return propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+        cached = self._phi_cache
+        if cached is not None and cached[0] == level.version:
+            return cached[1]
+        phi = propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+        self._phi_cache = (level.version, phi)
+        return phi
+
     def _residual(self) -> float:
         """2-norm over the fine C-points j >= 1 of Phi(u_{j-1}) - u_j, over all ranks."""
         fine = self.levels[0]
@@ -242,7 +256,7 @@ class Solver:
         if not fine.empty and not fine.grid.is_coarsest:
             first_c, count = fine.c_points()
             if count:
-                phi = propagate_to_c_points(fine, self.prop, self.executor, first_c, count)
+                phi = self._phi_at_c_points(fine, first_c, count)
                 r = phi - fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
                 local = float(torch.linalg.vector_norm(r)) ** 2
         return math.sqrt(self.comm.allreduce_sum(local))

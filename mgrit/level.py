@@ -2,7 +2,8 @@
 
 Rows of `u` (and `v`, `g`) hold the rank's points first..last at rows 1..count;
 row 0 is the ghost: a copy of point first-1, owned by the previous rank. Every
-operation that changes the rank's last point tells the next rank (`publish`),
+operation that changes the rank's points ends with `changed`, which counts a new
+version of the level and sends the last point to the next rank when it changed,
 and every operation that reads the ghost first makes sure the latest copy has
 arrived (`wait_ghost`). Which messages flow is decided by the grid alone, so
 both sides agree without asking each other: after an F-phase (F-relaxation,
@@ -43,6 +44,7 @@ class Level:
         self._send_buf = {tag: torch.zeros_like(like) for tag in (_U_TAG, _V_TAG)}
         self._sends: dict[int, Request] = {}
         self._recvs: dict[int, Request] = {}
+        self.version = 0   # bumped by every change of u, so results computed from it can be reused
 
     # index maths -----------------------------------------------------------
     @property
@@ -90,8 +92,10 @@ class Level:
         if req is not None:
             req.wait()
 
-    def publish(self, c_phase: bool) -> None:
-        """Send the last point to the next rank after a phase that changed it."""
+    def changed(self, c_phase: bool) -> None:
+        """End of a phase that changed u (its C-points or F-points): count a new version and
+        send the last point to the next rank if this phase changed it."""
+        self.version += 1
         nxt = self.local.next_rank
         if nxt is not None and self.grid.is_c_point(self.last) == c_phase:
             self._send(_U_TAG, self.u[-1], nxt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,6 +89,10 @@ class LayerParallel(nn.Module):
     data_comm: an mpi4py communicator joining replicas that hold the same layers
                (see `mgrit.split_world`); their gradients are averaged after each backward.
     opening, closing: modules before and after the ODE part, replicated on every rank.
+    inference: solver options of forward passes in eval mode (`model.eval()`) without
+               gradients; by default the forward options solved to a relative tolerance of
+               1e-9, so evaluation gives the network's own output (what `to_serial()`
+               computes), not the few-cycle approximation used in training.
 
     `model(x)` returns the output on every rank. `model.stats` holds the cycles and
     residuals of the latest forward and backward solves.
@@ -96,7 +101,8 @@ class LayerParallel(nn.Module):
     def __init__(self, step: Callable[[], nn.Module], num_steps: int, t_final: float = 1.0,
                  forward: Config | None = None, backward: Config | None = None,
                  comm: Comm | Any = None, opening: nn.Module | None = None,
-                 closing: nn.Module | None = None, data_comm: Any = None) -> None:
+                 closing: nn.Module | None = None, data_comm: Any = None,
+                 inference: Config | None = None) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
@@ -107,8 +113,12 @@ class LayerParallel(nn.Module):
         self.h = self.t_final / num_steps
         self.forward_config = forward if forward is not None else _default("forward")
         self.backward_config = backward if backward is not None else _default("backward")
+        self.inference_config = (inference if inference is not None else
+                                 replace(self.forward_config, tol=1e-9, tol_kind="relative",
+                                         max_iter=100, initial_guess="zero"))
         grids = {}
-        for kind, cfg in (("forward", self.forward_config), ("backward", self.backward_config)):
+        for kind, cfg in (("forward", self.forward_config), ("backward", self.backward_config),
+                          ("inference", self.inference_config)):
             if not isinstance(cfg, Config):
                 raise TypeError(f"{kind} must be a mgrit.Config, got {type(cfg).__name__}")
             if isinstance(cfg.initial_guess, Tensor):
@@ -166,11 +176,15 @@ class LayerParallel(nn.Module):
         self.comm.agree("input batch shape and dtype", (tuple(u0.shape), str(u0.dtype)))
 
     def _solver(self, like: Tensor, keep: bool) -> Solver:
-        key = (tuple(like.shape), like.dtype, like.device, keep)
+        """The forward solver for this input shape: `keep` for passes with gradients (its
+        states serve the backward pass), otherwise one of its own, with the inference
+        options in eval mode."""
+        config = self.inference_config if (not keep and not self.training) else self.forward_config
+        key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
         if key not in self._solvers:
-            batched = self.forward_config.execution != "loop"
+            batched = config.execution != "loop"
             self._solvers[key] = Solver(NetworkPropagator(self.layers, batched), like,
-                                        self.num_steps, 0.0, self.t_final, self.forward_config,
+                                        self.num_steps, 0.0, self.t_final, config,
                                         self._forward_comm, blocks=self._blocks)
         return self._solvers[key]
 

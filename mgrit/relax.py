@@ -46,7 +46,7 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
     if level.first < first_c:
         level.wait_ghost()
         march(level, prop, level.first, min(first_c - 1, level.last))
-    level.publish(c_phase=False)
+    level.changed(c_phase=False)
 
 
 def propagate_to_c_points(level: Level, prop: Propagator, executor: Executor,
@@ -74,7 +74,7 @@ def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -
             level.u[rows] = new
         else:
             level.u[rows] = weight * new + (1.0 - weight) * level.u[rows]
-    level.publish(c_phase=True)
+    level.changed(c_phase=True)
 
 
 def sweep(level: Level, prop: Propagator) -> None:
@@ -85,4 +85,4 @@ def sweep(level: Level, prop: Propagator) -> None:
     if level.first > 0:
         level.wait_ghost()
     march(level, prop, max(level.first, 1), level.last)
-    level.publish(c_phase=False)
+    level.changed(c_phase=False)

@@ -56,3 +56,16 @@ def test_demo_on_two_ranks_agrees_with_sequential_stepping():
     assert "over 2 rank(s)" in lines[0] and "converged: True" in lines
     diff = next(line for line in lines if line.startswith("max |MGRIT - sequential|"))
     assert float(diff.split()[-1]) < 1e-9
+
+
+def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
+    out = tmp_path / "w2.json"
+    _mgrit("bench", "w2", "--json", str(out), "--repeats", "1")
+    records = json.loads(out.read_text())
+    steps = {r["method"]: r for r in records if r["metric"] == "train_step"}
+    assert set(steps) == {"serial pytorch", "layer-parallel mgrit"}
+    lp = steps["layer-parallel mgrit"]
+    assert lp["ratio_to_serial"] == pytest.approx(lp["seconds"] / steps["serial pytorch"]["seconds"])
+    grad = next(r for r in records if r["metric"] == "gradient")
+    assert 0.9 < grad["cosine"] <= 1.0 + 1e-12 and grad["relative_error"] < 0.5
+    assert grad["forward_cycles"] == 2 and grad["backward_cycles"] == 1

@@ -132,7 +132,7 @@ elif mode == "checkpoint":
     extra = resumed.load_checkpoint(folder, opt)
     run(resumed, opt, 2)
     results["resume"] = {
-        "difference": max(float((a - b).abs().max())
+        "difference": max(float((a.detach() - b).abs().max())
                           for a, b in zip(resumed.parameters(), uninterrupted)),
         "extra": extra, "files": sorted(p.name for p in folder.iterdir())}
     other, _ = build("dense", 15, fwd, bwd, comm=world)
