@@ -29,31 +29,44 @@ def _sanitize(name: str) -> str:
     return name.replace(".", "__")
 
 
-# derivative of an activation from its output y: dz = g * slope(y)
-_ACTIVATION_SLOPES: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
-    nn.Tanh: lambda m, y: 1 - y * y,
-    nn.Sigmoid: lambda m, y: y * (1 - y),
-    nn.ReLU: lambda m, y: (y > 0).to(y.dtype),
-    nn.LeakyReLU: lambda m, y: torch.where(y > 0, 1.0, m.negative_slope).to(y.dtype),
-    nn.Identity: lambda m, y: torch.ones_like(y),
+# backward of an activation from its output y and the output cotangent g (fused aten ops)
+_ACTIVATION_BACKWARD: dict[type, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
+    nn.Tanh: lambda m, g, y: torch.ops.aten.tanh_backward(g, y),
+    nn.Sigmoid: lambda m, g, y: torch.ops.aten.sigmoid_backward(g, y),
+    nn.ReLU: lambda m, g, y: torch.ops.aten.threshold_backward(g, y, 0.0),
+    nn.LeakyReLU: lambda m, g, y: torch.where(y > 0, g, g * m.negative_slope),
+    nn.Identity: lambda m, g, y: g,
 }
+
+# A chain passes values between its ops either stacked, a tensor (B, ...) with one entry
+# per layer of the batch, or as a list of B tensors: convolutions run one layer at a time,
+# so chains of convolutions never stack until their end.
+Values = "Tensor | list[Tensor]"
+
+
+def _stacked(x: "Tensor | list[Tensor]") -> Tensor:
+    return torch.stack(x) if isinstance(x, list) else x
 
 
 class _Linear:
     """nn.Linear over a stack of layers: batched matrix products."""
 
+    fresh_output = True
+
     def __init__(self, weight: str, bias: str | None) -> None:
         self.weight, self.bias = weight, bias
 
-    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+    def forward(self, t: dict[str, Tensor], x: Values) -> Tensor:
+        x = _stacked(x)
         flat = x.reshape(x.shape[0], -1, x.shape[-1])
         w = t[self.weight].transpose(1, 2)
         y = (torch.baddbmm(t[self.bias][:, None, :], flat, w) if self.bias
              else torch.bmm(flat, w))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
+    def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
+        x, g = _stacked(x), _stacked(g)
         flat_g = g.reshape(g.shape[0], -1, g.shape[-1])
         if grads is not None:
             grads[self.weight] = torch.bmm(flat_g.transpose(1, 2),
@@ -69,39 +82,62 @@ class _Conv2d:
     convolution with the flipped, transposed kernel, several times faster on a CPU than
     the transposed convolution autograd uses."""
 
+    fresh_output = True
+
     def __init__(self, weight: str, bias: str | None, padding: tuple[int, int]) -> None:
         self.weight, self.bias, self.padding = weight, bias, padding
 
-    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+    def forward(self, t: dict[str, Tensor], x: Values) -> list[Tensor]:
         w, b = t[self.weight], t[self.bias] if self.bias else None
-        return torch.stack([F.conv2d(x[i], w[i], None if b is None else b[i],
-                                     padding=self.padding) for i in range(len(x))])
+        return [F.conv2d(x[i], w[i], None if b is None else b[i], padding=self.padding)
+                for i in range(len(x))]
 
-    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
-                 grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
+    def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
+                 grads: dict[str, Tensor] | None, need_input: bool) -> list[Tensor] | None:
         w = t[self.weight]
         if grads is not None:
             grads[self.weight] = torch.stack([
                 torch.nn.grad.conv2d_weight(x[i], w[i].shape, g[i], padding=self.padding)
                 for i in range(len(x))])
             if self.bias:
-                grads[self.bias] = g.sum((1, 3, 4))
+                grads[self.bias] = torch.stack([g[i].sum((0, 2, 3)) for i in range(len(x))])
         if not need_input:
             return None
-        return torch.stack([F.conv2d(g[i], w[i].transpose(0, 1).flip(2, 3),
-                                     padding=self.padding) for i in range(len(x))])
+        return [F.conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), padding=self.padding)
+                for i in range(len(x))]
 
 
 class _Activation:
+    fresh_output = False
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
-        return self.module(x)
+    def forward(self, t: dict[str, Tensor], x: Values, inplace: bool = False) -> Values:
+        """In place when x is a fresh output of the op before (never the chain's input)."""
+        fn = self.module
+        if isinstance(x, list):
+            return [_apply_activation(fn, v, inplace) for v in x]
+        return _apply_activation(fn, x, inplace)
 
-    def backward(self, t: dict[str, Tensor], x: Tensor, y: Tensor, g: Tensor,
-                 grads: dict[str, Tensor] | None, need_input: bool) -> Tensor:
-        return g * _ACTIVATION_SLOPES[type(self.module)](self.module, y)
+    def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
+                 grads: dict[str, Tensor] | None, need_input: bool) -> Values:
+        back = _ACTIVATION_BACKWARD[type(self.module)]
+        if isinstance(y, list):
+            return [back(self.module, g[i], y[i]) for i in range(len(y))]
+        return back(self.module, _stacked(g), y)
+
+
+def _apply_activation(fn: nn.Module, x: Tensor, inplace: bool) -> Tensor:
+    if not inplace or type(fn) is nn.Identity:
+        return fn(x)
+    if type(fn) is nn.ReLU:
+        return x.relu_()
+    if type(fn) is nn.Tanh:
+        return x.tanh_()
+    if type(fn) is nn.Sigmoid:
+        return x.sigmoid_()
+    return fn(x)
 
 
 def _chain_op(name: str, mod: nn.Module) -> "_Linear | _Conv2d | _Activation | None":
@@ -118,7 +154,7 @@ def _chain_op(name: str, mod: nn.Module) -> "_Linear | _Conv2d | _Activation | N
             return _Conv2d(name + "weight", name + "bias" if mod.bias is not None else None,
                            pad)
         return None
-    if type(mod) in _ACTIVATION_SLOPES and not getattr(mod, "inplace", False):
+    if type(mod) in _ACTIVATION_BACKWARD and not getattr(mod, "inplace", False):
         return _Activation(mod)
     return None
 
@@ -145,14 +181,18 @@ class Chain:
             return None
         return cls(ops)
 
-    def _run(self, t: dict[str, Tensor], x: Tensor) -> list[Tensor]:
+    def _run(self, t: dict[str, Tensor], x: Tensor) -> list:
         values = [x]
-        for op in self.ops:
-            values.append(op.forward(t, values[-1]))
+        for i, op in enumerate(self.ops):
+            if isinstance(op, _Activation):
+                fresh = i > 0 and self.ops[i - 1].fresh_output
+                values.append(op.forward(t, values[-1], inplace=fresh))
+            else:
+                values.append(op.forward(t, values[-1]))
         return values
 
     def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
-        return self._run(t, x)[-1]
+        return _stacked(self._run(t, x)[-1])
 
     def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, params: bool
             ) -> Tensor | dict[str, Tensor]:
@@ -162,7 +202,7 @@ class Chain:
         for i in range(len(self.ops) - 1, -1, -1):
             g = self.ops[i].backward(t, values[i], values[i + 1], g, grads,
                                      need_input=not (params and i == 0))
-        return grads if params else g
+        return grads if params else _stacked(g)
 
 
 def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
