@@ -1,5 +1,6 @@
 # make test: set up .venv (if missing) with the project and its dev extra, run every test.
-# make demo: same set-up, then run the project's main job on 2 MPI ranks.
+# make demo: same set-up, then the main job: layer-parallel training on digits over 2 MPI
+# ranks next to serial training, with figures in out/demo.
 # Elsewhere (e.g. a CUDA machine) override the torch requirement: make test TORCH_SPEC="torch>=2.3"
 
 PYTHON ?= python3
@@ -25,7 +26,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not mpi and not slow"
 
 demo: $(STAMP)
-	$(VENV)/bin/mpiexec -n 2 $(PY) -m mpi4py -m mgrit demo
+	$(VENV)/bin/mgrit compare --ranks 2 --epochs 15 --no-progress --out out/demo
 
 bench: $(STAMP)
 	$(VENV)/bin/mgrit bench w0

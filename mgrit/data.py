@@ -1,11 +1,17 @@
-"""Data sets that work offline."""
+"""Data sets that work offline (digits, peaks, MNIST-1D) and torchvision's, when installed."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+
+class DataError(RuntimeError):
+    """A data set that cannot be loaded here: a missing package or a missing download."""
 
 
 @dataclass
@@ -18,21 +24,130 @@ class Split:
     y_test: Tensor
     classes: int
 
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _split(x: Tensor, y: Tensor, test_fraction: float, seed: int, classes: int) -> Split:
+    """A stratified split with a fixed seed: the same test set on every rank and run."""
+    gen = torch.Generator().manual_seed(seed)
+    test_idx, train_idx = [], []
+    for label in range(classes):
+        idx = torch.nonzero(y == label).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        cut = int(round(len(idx) * test_fraction))
+        test_idx.append(idx[:cut])
+        train_idx.append(idx[cut:])
+    train = torch.cat(train_idx)[torch.randperm(sum(len(i) for i in train_idx), generator=gen)]
+    test = torch.cat(test_idx).sort().values
+    return Split(x[train], y[train], x[test], y[test], classes)
+
 
 def digits(test_fraction: float = 0.3, seed: int = 0, dtype: torch.dtype = torch.float32) -> Split:
-    """scikit-learn's bundled 8x8 digits (1797 images), scaled to [0, 1], as (N, 1, 8, 8),
-    with a fixed stratified train/test split."""
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError as err:  # pragma: no cover - scikit-learn is a dependency
-        raise ImportError("the digits data set needs scikit-learn (pip install scikit-learn)") from err
+    """scikit-learn's bundled 8x8 digits (1797 images, no download), scaled to [0, 1], as
+    (N, 1, 8, 8), with a fixed stratified train/test split."""
+    from sklearn.datasets import load_digits
+
     data = load_digits()
     x = torch.tensor(data.images / 16.0, dtype=dtype)[:, None]
     y = torch.tensor(data.target, dtype=torch.long)
-    idx_train, idx_test = train_test_split(range(len(y)), test_size=test_fraction,
-                                           random_state=seed, stratify=data.target)
-    return Split(x[idx_train], y[idx_train], x[idx_test], y[idx_test], classes=10)
+    return _split(x, y, test_fraction, seed, classes=10)
+
+
+def peaks_function(x: Tensor, y: Tensor) -> Tensor:
+    """MATLAB's peaks surface, the landscape of the peaks classification problem."""
+    return (3 * (1 - x) ** 2 * torch.exp(-x ** 2 - (y + 1) ** 2)
+            - 10 * (x / 5 - x ** 3 - y ** 5) * torch.exp(-x ** 2 - y ** 2)
+            - torch.exp(-(x + 1) ** 2 - y ** 2) / 3)
+
+
+# class boundaries: the quintiles of the peaks surface over [-3, 3]^2
+PEAKS_LEVELS = (-0.3043, 0.0016, 0.1509, 1.3060)
+
+
+def peaks(samples: int = 5000, test_fraction: float = 0.3, seed: int = 0,
+          dtype: torch.dtype = torch.float32) -> Split:
+    """The synthetic 'peaks' problem of the layer-parallel training literature: points
+    uniform in [-3, 3]^2 (2 features), labelled by which of 5 level bands of the peaks
+    surface they fall in. Generated from `seed`: the same data everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    points = torch.rand(samples, 2, generator=gen, dtype=torch.float64) * 6 - 3
+    height = peaks_function(points[:, 0], points[:, 1])
+    labels = torch.bucketize(height, torch.tensor(PEAKS_LEVELS, dtype=torch.float64))
+    return _split(points.to(dtype), labels, test_fraction, seed, classes=5)
+
+
+def mnist1d(samples: int = 5000, test_fraction: float = 0.3, seed: int = 0,
+            dtype: torch.dtype = torch.float32) -> Split:
+    """MNIST-1D (Greydanus 2020): 40-sample 1-D signals of 10 digit templates, generated
+    procedurally by the `mnist1d` package (no download)."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise DataError("the mnist1d data set needs the mnist1d package: "
+                        "pip install 'mgrit[mnist1d]'") from None
+    args = get_dataset_args()
+    args.num_samples = samples
+    args.seed = seed
+    data = make_dataset(args)
+    x = torch.cat([torch.tensor(data["x"]), torch.tensor(data["x_test"])]).to(dtype)
+    y = torch.cat([torch.tensor(data["y"]), torch.tensor(data["y_test"])]).long()
+    return _split(x, y, test_fraction, seed, classes=10)
+
+
+TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+
+
+def from_torchvision_sets(train: Any, test: Any, classes: int,
+                          dtype: torch.dtype = torch.float32) -> Split:
+    """A Split from torchvision data set objects (`.data` images, `.targets` labels),
+    scaled to [0, 1] and laid out as (N, C, H, W)."""
+    def convert(dataset: Any) -> tuple[Tensor, Tensor]:
+        images = torch.as_tensor(dataset.data)
+        if images.dim() == 3:                       # (N, H, W) grey images
+            images = images[:, None]
+        elif images.shape[-1] in (1, 3):            # (N, H, W, C) colour images
+            images = images.permute(0, 3, 1, 2)
+        return images.to(dtype) / 255.0, torch.as_tensor(dataset.targets).long()
+    x_train, y_train = convert(train)
+    x_test, y_test = convert(test)
+    return Split(x_train, y_train, x_test, y_test, classes)
+
+
+def torchvision_dataset(name: str, root: str, download: bool,
+                        dtype: torch.dtype = torch.float32) -> Split:
+    """MNIST, Fashion-MNIST or CIFAR-10 through torchvision (an optional dependency)."""
+    try:
+        import torchvision
+    except Exception as err:
+        raise DataError(f"the {name} data set needs torchvision, which is not installed or "
+                        f"does not import beside this torch ({type(err).__name__}: {err}); "
+                        "install a matching pair, e.g. pip install 'mgrit[vision]', or use "
+                        "digits, peaks or mnist1d") from None
+    cls = getattr(torchvision.datasets, TORCHVISION[name])
+    try:
+        train = cls(root, train=True, download=download)
+        test = cls(root, train=False, download=download)
+    except Exception as err:
+        hint = ("" if download else " (set data.download = true to let torchvision fetch it)")
+        raise DataError(f"could not load {name} from {root!r}: {err}{hint}") from None
+    return from_torchvision_sets(train, test, classes=10, dtype=dtype)
+
+
+def load(name: str, root: str = "data", download: bool = False, test_fraction: float = 0.3,
+         samples: int = 5000, seed: int = 0) -> Split:
+    """The data set of DataSettings by name."""
+    if name == "digits":
+        return digits(test_fraction, seed)
+    if name == "peaks":
+        return peaks(samples, test_fraction, seed)
+    if name == "mnist1d":
+        return mnist1d(samples, test_fraction, seed)
+    if name in TORCHVISION:
+        return torchvision_dataset(name, root, download)
+    raise ValueError(f"unknown data set {name!r}; choose one of digits, peaks, mnist1d, "
+                     f"{', '.join(TORCHVISION)}")
 
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None):
@@ -43,3 +158,11 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
     for start in range(0, len(x) - batch_size + 1, batch_size):
         idx = order[start: start + batch_size]
         yield x[idx], y[idx]
+
+
+def peaks_levels(grid: int = 601) -> list[float]:
+    """Quintiles of the peaks surface on a grid over [-3, 3]^2 (how PEAKS_LEVELS was set)."""
+    axis = torch.linspace(-3, 3, grid, dtype=torch.float64)
+    xx, yy = torch.meshgrid(axis, axis, indexing="ij")
+    values = peaks_function(xx, yy).flatten().sort().values
+    return [float(values[math.floor(q * (len(values) - 1))]) for q in (0.2, 0.4, 0.6, 0.8)]

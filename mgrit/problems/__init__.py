@@ -2,6 +2,6 @@
 
 from .dahlquist import Dahlquist
 from .heat import Heat1D
-from .resnet import DenseResNet
+from .resnet import DenseResNet, ModuleResNet
 
-__all__ = ["Dahlquist", "DenseResNet", "Heat1D"]
+__all__ = ["Dahlquist", "DenseResNet", "Heat1D", "ModuleResNet"]

@@ -54,3 +54,15 @@ class DenseResNet:
 
     def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         return self._apply(states, steps.fine_index, steps.dt)
+
+
+class ModuleResNet:
+    """u + dt * f_n(u) with f_n any module: the residual steps of a trained network, for
+    studying how MGRIT converges on its layers. A coarse step uses the layer where it starts."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.layers = layers
+
+    @torch.no_grad()
+    def step(self, u: Tensor, s: Step) -> Tensor:
+        return u + s.dt * self.layers[s.fine_index](u)

@@ -1,0 +1,113 @@
+"""Figures of training comparisons and solver convergence studies (PNG, via matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def read_metrics(folder: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step records, epoch records) of a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    return ([r for r in records if r["type"] == "step"],
+            [r for r in records if r["type"] == "epoch"])
+
+
+def curves(runs: dict[str, list[dict]], key: str, ylabel: str, path: Path,
+           percent: bool = False) -> Path:
+    """One line per run: `key` of the epoch records against the epoch."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, epochs in runs.items():
+        values = [e[key] * (100 if percent else 1) for e in epochs]
+        ax.plot([e["epoch"] for e in epochs], values, marker="o", ms=3, label=label)
+    ax.set_xlabel("epoch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def residual_curves(steps: list[dict], path: Path) -> Path:
+    """Top: residual against cycle of the forward and backward solves (median over all
+    training steps, first and last step). Bottom: the last cycle's residual against the
+    training step."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
+    for col, kind in enumerate(("forward", "backward")):
+        top, bottom = axes[0][col], axes[1][col]
+        histories = [s[f"{kind}_residuals"] for s in steps if s[f"{kind}_residuals"]]
+        if histories:
+            cycles = max(len(h) for h in histories)
+            median = [statistics.median(h[k] for h in histories if len(h) > k)
+                      for k in range(cycles)]
+            top.semilogy(range(1, cycles + 1), median, marker="o", label="median over steps")
+            top.semilogy(range(1, len(histories[0]) + 1), histories[0], marker="s", ls="--",
+                         label="first step")
+            top.semilogy(range(1, len(histories[-1]) + 1), histories[-1], marker="^", ls=":",
+                         label="last step")
+            top.legend()
+            bottom.semilogy([s["step"] for s in steps if s[f"{kind}_residuals"]],
+                            [h[-1] for h in histories], lw=0.8)
+        top.set_title(f"{kind} solve")
+        top.set_xlabel("cycle")
+        top.set_ylabel("residual")
+        top.set_xticks(range(1, max((len(h) for h in histories), default=1) + 1))
+        bottom.set_xlabel("training step")
+        bottom.set_ylabel("residual after the last cycle")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bars(values: dict[str, float], ylabel: str, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    ax.bar(list(values), list(values.values()), color=["tab:blue", "tab:orange", "tab:green"][:len(values)])
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def convergence_grid(study: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """One panel per problem: residual against cycle for every solver setting studied."""
+    plt = _pyplot()
+    problems = list(study)
+    fig, axes = plt.subplots(1, len(problems), figsize=(5.5 * len(problems), 5), squeeze=False)
+    for ax, name in zip(axes[0], problems):
+        for run in study[name]:
+            r = run["residuals"]
+            if r:
+                ax.semilogy(range(1, len(r) + 1), r, lw=1, label=run["label"])
+        ax.set_title(name)
+        ax.set_xlabel("cycle")
+        ax.set_ylabel("residual")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
