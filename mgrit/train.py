@@ -335,7 +335,8 @@ class Run:
                       "backward_residuals": stats.get("backward", {}).get("residuals", [])}
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
-            progress.update(step, f"loss {value:.4f} res f {_fmt(record['forward_residuals'])} "
+            progress.update(step, f"loss {value:.4f} acc {correct / max(seen, 1) * 100:.1f}% "
+                                  f"res f {_fmt(record['forward_residuals'])} "
                                   f"b {_fmt(record['backward_residuals'])} "
                                   f"{seconds * 1e3:.1f} ms/step")
             if s.output.verbose:
