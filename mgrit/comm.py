@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -158,6 +159,7 @@ def _install_abort_hook() -> None:
     def hook(exc_type, exc, tb):  # pragma: no cover - runs only while a rank dies
         previous(exc_type, exc, tb)
         sys.stderr.flush()
+        time.sleep(1.0)  # let the launcher forward the traceback before it tears the job down
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook

@@ -207,3 +207,16 @@ def test_compare_writes_figures_table_and_json(tmp_path):
     fcf = next(r for r in study["heat"] if r["label"] == "FCF m=2 L=3")
     assert fcf["residuals"][-1] < 1e-8 * fcf["residuals"][0]
     assert "| layer-parallel | 2 |" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_data_parallel_run_trains_like_one_replica_on_the_full_batch(tmp_path):
+    single, replicas = tmp_path / "single", tmp_path / "replicas"
+    mgrit("train", *TINY, "--out", str(single), "--no-checkpoint")
+    mgrit("train", *TINY, "--out", str(replicas), "--no-checkpoint", "--data-parallel", "2",
+          ranks=2)
+    a = [r for r in records(single) if r["type"] == "epoch"]
+    b = [r for r in records(replicas) if r["type"] == "epoch"]
+    for x, y in zip(a, b):
+        assert y["train_loss"] == pytest.approx(x["train_loss"], rel=1e-4)
+        assert y["test_loss"] == pytest.approx(x["test_loss"], rel=1e-4)
