@@ -21,12 +21,19 @@ def conv_parts():
                                                    nn.Conv2d(3, 3, 3, padding=1), nn.ReLU())
 
 
-PARTS = {"dense": dense_parts, "conv": conv_parts}
+def gelu_parts():
+    """A step module the hand-written kernels do not cover: it runs through torch.func."""
+    opening = nn.Linear(5, WIDTH)
+    closing = nn.Linear(WIDTH, CLASSES)
+    return opening, closing, lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())
+
+
+PARTS = {"dense": dense_parts, "conv": conv_parts, "gelu": gelu_parts}
 
 
 def data(kind: str, batch: int, seed: int = 5):
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, 5) if kind == "dense" else (batch, 1, 6, 6)
+    shape = (batch, 1, 6, 6) if kind == "conv" else (batch, 5)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     y = torch.randint(0, CLASSES, (batch,), generator=gen)
     return x, y

@@ -153,3 +153,35 @@ def test_too_few_layers_for_the_hierarchy(levels, coarsening, words):
     with pytest.raises(ValueError, match=words):
         mgrit.LayerParallel(lambda: nn.Linear(4, 4), 8,
                             forward=mgrit.Config(levels=levels, coarsening=coarsening))
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "gelu"])
+def test_batched_and_loop_execution_give_the_same_training_step(kind):
+    """One vmapped/stacked call per sub-step against one call per interval, forward and
+    adjoint, float64, inexact settings (so both paths are really exercised)."""
+    grads = {}
+    for execution in ("loop", "batched"):
+        fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
+                           min_coarse=1, execution=execution)
+        bwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=1,
+                           min_coarse=1, execution=execution)
+        model, _ = build(kind, 16, fwd, bwd)
+        assert (model.layers.chain is None) == (kind == "gelu")
+        x, y = data(kind, 4)
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads[execution] = [p.grad.clone() for p in model.parameters()]
+        grads[execution + "-stats"] = model.stats
+    for a, b in zip(grads["loop"], grads["batched"]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    for kind_ in ("forward", "backward"):
+        la, lb = grads["loop-stats"][kind_]["residuals"], grads["batched-stats"][kind_]["residuals"]
+        assert la == pytest.approx(lb, rel=1e-12)
+
+
+def test_modules_outside_the_kernels_match_serial_autograd():
+    exact = mgrit.Config(levels=1)
+    model, serial = build("gelu", 10, exact, exact)
+    x, y = data("gelu", 4)
+    nn.functional.cross_entropy(model(x), y).backward()
+    nn.functional.cross_entropy(serial(x), y).backward()
+    assert relative(owned_pairs(model, serial, grad=True)) <= 1e-12
