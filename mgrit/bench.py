@@ -154,13 +154,22 @@ def mpiexec() -> str:
     return found
 
 
+def _free_port() -> int:
+    """A TCP port nobody listens on now, for the gloo baselines' rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(name: str, ranks: int, repeats: int) -> dict[str, Any]:
     """Run the workload's worker under `mpiexec -n ranks`; return what rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mgrit.bench",
                name, "--worker", str(out), "--repeats", str(repeats)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MGRIT_GLOO_PORT=str(_free_port()))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from . import models
 from .config import Config
 from .data import digits
+from .baselines import GPipe, LayerwiseModelParallel
 from .nn import LayerParallel, serial_resnet
 from .train import evaluate, train_epoch
 
@@ -34,7 +35,7 @@ class Workload:
     inputs: Callable[[torch.Generator], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]
     optimizer: Callable[[Any], torch.optim.Optimizer]
-    extra: dict[str, Any] = field(default_factory=dict)
+    microbatches: int = 1           # of the GPipe baseline
 
 
 def _mgrit_configs(levels: int = 3, coarsening: int = 4) -> tuple[Config, Config]:
@@ -49,7 +50,8 @@ def _w1() -> Workload:
         "w1", "conv ResNet, 3 channels, 28x28, N = 32, batch 50, SGD(0.01, 0.9); MGRIT 3 "
         "levels, m = 4, F/FCF, 2 forward and 1 backward cycle", models.w1, fwd, bwd,
         lambda g: (torch.randn(50, 1, 28, 28, generator=g), torch.randint(0, 10, (50,), generator=g)),
-        nn.functional.nll_loss, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+        nn.functional.nll_loss, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+        microbatches=5)
 
 
 def _w2(batch: int = 1) -> Workload:
@@ -60,7 +62,8 @@ def _w2(batch: int = 1) -> Workload:
         "levels, m = 4, F/FCF, 2 forward and 1 backward cycle, batched relaxation",
         models.w2, fwd, bwd,
         lambda g: (torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)),
-        nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01))
+        nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
+        microbatches=min(batch, 4))
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {"w1": _w1, "w2": _w2,
@@ -152,15 +155,34 @@ def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict
     return {"train_step": step, "forward": forward, "stats": stats}
 
 
+def baseline_times(work: Workload, repeats: int, comm: Any) -> dict[str, dict[str, float]]:
+    """Layer-wise model parallelism and GPipe over the ranks of `comm`, same network."""
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    _, serial = build(work)
+    layerwise = LayerwiseModelParallel(serial, comm, x, work.loss, work.optimizer)
+    out = {"layer-wise model parallel": {
+        "train_step": _median(lambda: layerwise.train_step(x, y), repeats, comm.Barrier),
+        "forward": _median(lambda: layerwise.forward(x), repeats, comm.Barrier)}}
+    _, serial = build(work)
+    gpipe = GPipe(serial, comm, work.microbatches, work.loss, work.optimizer)
+    out[f"gpipe pipeline ({work.microbatches} micro-batches)"] = {
+        "train_step": _median(lambda: gpipe.train_step(x, y), repeats, comm.Barrier)}
+    return out
+
+
 def worker(name: str, repeats: int, out: Path) -> None:
-    """Under mpiexec: time the layer-parallel model on all ranks; rank 0 writes JSON."""
+    """Under mpiexec: time the layer-parallel model and, on more than one rank, the
+    baselines, all in this one launch; rank 0 writes JSON."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if name == "w3":
         record = train_digits(comm=comm)
     else:
-        record = layer_parallel_times(WORKLOADS[name](), repeats, comm)
+        work = WORKLOADS[name]()
+        record = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
+        if comm.size > 1:
+            record.update(baseline_times(work, repeats, comm))
     if comm.rank == 0:
         out.write_text(json.dumps({"ranks": comm.size, **record}))
 
@@ -170,37 +192,41 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     """Serial PyTorch and the layer-parallel model on each rank count, as records."""
     work = WORKLOADS[name]()
     serial = serial_times(work, repeats)
-    runs = {p: (layer_parallel_times(work, repeats) if p == 1 else launch(name, p, repeats))
-            for p in ranks}
+    runs = {p: ({"layer-parallel mgrit": layer_parallel_times(work, repeats)} if p == 1
+                else launch(name, p, repeats)) for p in ranks}
     records = []
+    mgrit_name = "layer-parallel mgrit"
     for metric in ("train_step", "forward"):
         records.append({"workload": name, "method": "serial pytorch", "ranks": 1,
                         "metric": metric, "seconds": serial[metric], "ratio_to_serial": 1.0})
-        base = runs[ranks[0]][metric] * ranks[0]
+        base = runs[ranks[0]][mgrit_name][metric] * ranks[0]
         for p in ranks:
-            seconds = runs[p][metric]
-            records.append({"workload": name, "method": "layer-parallel mgrit", "ranks": p,
-                            "metric": metric, "seconds": seconds,
-                            "ratio_to_serial": seconds / serial[metric],
-                            "efficiency": base / (p * seconds)})
+            for method, times in runs[p].items():
+                if method == "ranks" or metric not in times:
+                    continue
+                rec = {"workload": name, "method": method, "ranks": p, "metric": metric,
+                       "seconds": times[metric], "ratio_to_serial": times[metric] / serial[metric]}
+                if method == mgrit_name:
+                    rec["efficiency"] = base / (p * times[metric])
+                records.append(rec)
     quality = gradient_quality(work)
-    records.append({"workload": name, "method": "layer-parallel mgrit", "ranks": 1,
+    records.append({"workload": name, "method": mgrit_name, "ranks": 1,
                     "metric": "gradient", "forward_cycles": work.forward.max_iter,
                     "backward_cycles": work.backward.max_iter, **quality,
-                    "stats": runs[ranks[0]]["stats"]})
+                    "stats": runs[ranks[0]][mgrit_name]["stats"]})
     return records
 
 
 def print_timing(name: str, records: list[dict[str, Any]]) -> None:
     work = WORKLOADS[name]()
     print(f"{name.upper()}: {work.description}")
-    print(f"{'metric':>10}  {'method':>22}  {'ranks':>5}  {'ms':>9}  {'vs serial':>9}  "
+    print(f"{'metric':>10}  {'method':>40}  {'ranks':>5}  {'ms':>9}  {'vs serial':>9}  "
           f"{'efficiency':>10}")
     for rec in records:
         if rec["metric"] == "gradient":
             continue
         eff = f"{rec['efficiency']:10.2f}" if "efficiency" in rec else f"{'-':>10}"
-        print(f"{rec['metric']:>10}  {rec['method']:>22}  {rec['ranks']:>5}  "
+        print(f"{rec['metric']:>10}  {rec['method']:>40}  {rec['ranks']:>5}  "
               f"{rec['seconds'] * 1e3:9.2f}  {rec['ratio_to_serial']:9.2f}  {eff}")
     grad = next(r for r in records if r["metric"] == "gradient")
     print(f"gradient with {grad['forward_cycles']} forward / {grad['backward_cycles']} backward "

@@ -212,9 +212,19 @@ class Solver:
                 fine.u[rows] = coarse.u[1:]
         fine.changed(c_phase=True)
 
+    def _fine_sweep(self, active: bool) -> None:
+        """Tell a propagator that wants to know (`fine_sweep(active)`) when the final sweep of
+        level 0 begins and, after the residual, ends: the steps in between see final values,
+        one step per fine step."""
+        hook = getattr(self.prop, "fine_sweep", None)
+        if hook is not None:
+            hook(active)
+
     def _cycle(self, l: int, kind: str, first_f: bool) -> None:
         level = self.levels[l]
         if level.grid.is_coarsest:
+            if l == 0:
+                self._fine_sweep(True)
             sweep(level, self.prop)
             return
         if first_f:
@@ -225,6 +235,8 @@ class Solver:
         self._restrict(l)
         self._cycle(l + 1, kind, True)
         self._update_c_points(l, correct=True)
+        if l == 0:
+            self._fine_sweep(True)
         f_relax(level, self.prop, self.executor)
         if l > 0 and kind == "F":
             self._cycle(l, "V", False)
@@ -302,6 +314,7 @@ class Solver:
                 initial = self._residual()
             self._cycle(0, cfg.cycle, first_f=False)
             r = self._residual()
+            self._fine_sweep(False)
             residuals.append(r)
             if not math.isfinite(r) or r > cfg.divergence_factor * residuals[0]:
                 self._drain()

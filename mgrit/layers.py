@@ -194,15 +194,15 @@ class Chain:
     def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
         return _stacked(self._run(t, x)[-1])
 
-    def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, params: bool
-            ) -> Tensor | dict[str, Tensor]:
-        """The input cotangent (params=False) or the parameter cotangents (params=True)."""
+    def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, want_input: bool = True,
+            want_params: bool = False) -> tuple[Tensor | None, dict[str, Tensor] | None]:
+        """The input cotangent and/or the parameter cotangents, from one forward pass."""
         values = self._run(t, x)
-        grads: dict[str, Tensor] | None = {} if params else None
+        grads: dict[str, Tensor] | None = {} if want_params else None
         for i in range(len(self.ops) - 1, -1, -1):
             g = self.ops[i].backward(t, values[i], values[i + 1], g, grads,
-                                     need_input=not (params and i == 0))
-        return grads if params else _stacked(g)
+                                     need_input=want_input or i > 0)
+        return (_stacked(g) if want_input else None), grads
 
 
 def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
@@ -364,25 +364,21 @@ class LayerStack(nn.Module):
             return self.chain.forward(tensors, states)
         return vmap(self.f)(tensors, states)
 
-    def _vjp_input(self, tensors: dict[str, Tensor], u: Tensor, w: Tensor) -> Tensor:
-        return vjp(lambda x: self.f(tensors, x), u)[1](w)[0]
-
-    def vjp_input_batch(self, tensors: dict[str, Tensor], states: Tensor,
-                        cotangents: Tensor) -> Tensor:
-        """(df/du)^T w for every layer of a batch."""
+    def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
+                  want_input: bool = True, want_params: bool = False
+                  ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
+        """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
+        batch, from one forward pass per layer."""
         if self.chain is not None:
-            return self.chain.vjp(tensors, states, cotangents, params=False)
-        return vmap(self._vjp_input)(tensors, states, cotangents)
-
-    def vjp_params_batch(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
-                         states: Tensor, cotangents: Tensor) -> dict[str, Tensor]:
-        """(df/dtheta)^T w for every layer of a batch, per parameter name."""
-        if self.chain is not None:
-            return self.chain.vjp(params, states, cotangents, params=True)
+            return self.chain.vjp(tensors, states, cotangents, want_input, want_params)
+        params = {k: v for k, v in tensors.items() if k in self.names}
+        buffers = {k: v for k, v in tensors.items() if k not in self.names}
 
         def one(p, b, u, w):
-            return vjp(lambda q: self.f({**q, **b}, u), p)[1](w)[0]
-        return vmap(one)(params, buffers, states, cotangents)
+            dp, du = vjp(lambda q, x: self.f({**q, **b}, x), p, u)[1](w)
+            return du, dp
+        du, dp = vmap(one)(params, buffers, states, cotangents)
+        return (du if want_input else None), (dp if want_params else None)
 
 
 class NetworkPropagator:
@@ -412,7 +408,12 @@ class NetworkPropagator:
 class AdjointPropagator:
     """The adjoint on the reversed grid: reversed step k of a level with stride M is the
     transposed linearisation of the forward step from point p = N - (k + 1) M over M fine
-    steps, using layer p at the forward state u_p."""
+    steps, using layer p at the forward state u_p.
+
+    While `fine_sweep(True)` is on, level-0 steps (the final fine-level sweep of the adjoint
+    and its residual: one VJP per layer, with final values) also give the layer's parameter
+    gradient, dt (df/dtheta)(u_p)^T w, from the same forward pass; `gradients` collects them.
+    """
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
                  offset: int, batched: bool) -> None:
@@ -421,19 +422,32 @@ class AdjointPropagator:
         self.strides = strides
         self.states = states        # forward states: row i holds point offset + i
         self.offset = offset
+        self.recording = False
+        self.gradients: dict[int, dict[str, Tensor]] = {}
         if batched:
             self.step_batch = self._step_batch
 
+    def fine_sweep(self, active: bool) -> None:
+        self.recording = active
+
+    def _vjp(self, tensors: dict[str, Tensor], us: Tensor, ws: Tensor, layers: list[int],
+             level: int, dt: float) -> Tensor:
+        record = self.recording and level == 0
+        du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
+        if record:
+            for i, layer in enumerate(layers):
+                self.gradients[layer] = {k: dt * v[i] for k, v in dp.items()}
+        return ws + dt * du
+
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self.num_steps - s.fine_index - self.strides[s.level]
-        if self.stack.chain is not None:
-            tensors = self.stack.rows(p, 1, 1)
-            u = self.states[p - self.offset]
-            return w + s.dt * self.stack.chain.vjp(tensors, u[None], w[None], params=False)[0]
+        u = self.states[p - self.offset]
+        if self.stack.chain is not None or (self.recording and s.level == 0):
+            return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
         with torch.enable_grad():
-            u = self.states[p - self.offset].detach().requires_grad_()
-            y = self.stack.module(p)(u)
-            return w + s.dt * torch.autograd.grad(y, u, w)[0]
+            x = u.detach().requires_grad_()
+            y = self.stack.module(p)(x)
+            return w + s.dt * torch.autograd.grad(y, x, w)[0]
 
     def _step_batch(self, ws: Tensor, steps: StepBatch) -> Tensor:
         m = self.strides[steps.level]
@@ -442,29 +456,4 @@ class AdjointPropagator:
         points = torch.arange(first, first + stride * steps.count, stride)
         us = self.states.index_select(0, points - self.offset)
         tensors = self.stack.rows(first, stride, steps.count)
-        return ws + steps.dt * self.stack.vjp_input_batch(tensors, us, ws)
-
-
-def parameter_gradients(stack: LayerStack, states: Tensor, adjoints: Tensor, dt: float,
-                        batched: bool, chunk: int = 256) -> dict[str, Tensor]:
-    """dL/dtheta_n = dt * (df/dtheta)(u_n; theta_n)^T w_{n+1} for the owned layers.
-
-    `states[i]` is u at layer first+i's start, `adjoints[i]` the adjoint w after it. Each
-    layer is independent, so they are done in vmapped chunks (or one by one).
-    """
-    names = stack.names
-    grads = {name: torch.zeros_like(stack.params[_sanitize(name)]) for name in names}
-    if stack.count == 0 or not names:
-        return grads
-    buffers = {name: getattr(stack, "buf__" + _sanitize(name)) for name in stack.buffer_names}
-    params = {name: stack.params[_sanitize(name)].detach() for name in names}
-
-    step = chunk if batched else 1
-    for lo in range(0, stack.count, step):
-        hi = min(lo + step, stack.count)
-        p = {k: v[lo:hi] for k, v in params.items()}
-        b = {k: v[lo:hi] for k, v in buffers.items()}
-        out = stack.vjp_params_batch(p, b, states[lo:hi], adjoints[lo:hi])
-        for name in names:
-            grads[name][lo:hi] = dt * out[name]
-    return grads
+        return self._vjp(tensors, us, ws, points.tolist(), steps.level, steps.dt)

@@ -17,8 +17,7 @@ from .config import Config
 from .cycle import Solver
 from .grid import (adjoint_blocks, build_hierarchy, coarse_layer_needs, layer_ranges,
                    level0_blocks)
-from .layers import (AdjointPropagator, LayerStack, NetworkPropagator, build_layers,
-                     parameter_gradients)
+from .layers import AdjointPropagator, LayerStack, NetworkPropagator, build_layers
 
 CHECKPOINT_FORMAT = 1
 
@@ -237,24 +236,30 @@ class LayerParallel(nn.Module):
     def _solve_backward(self, grad_out: Tensor) -> tuple[Tensor, list[Tensor | None]]:
         with torch.no_grad():
             solver = self._adjoint_solver(grad_out)
+            prop: AdjointPropagator = solver.prop
+            prop.gradients = {}
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
-            lo, hi = self.layer_range
-            grads: dict[str, Tensor] = {}
-            if hi >= lo:
-                states, offset = self._solver(grad_out, keep=True).fine_states()
-                adjoints, adj_offset = solver.fine_states()
-                # w_{n+1} sits at reversed point N-n-1; u_n at forward point n
-                rows = torch.arange(self.num_steps - 1 - lo, self.num_steps - 2 - hi, -1)
-                grads = parameter_gradients(
-                    self.layers, states[lo - offset: hi - offset + 1],
-                    adjoints.index_select(0, rows - adj_offset), self.h,
-                    batched=self.backward_config.execution != "loop")
+            grads = self._parameter_gradients(prop.gradients)
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]
-            out.append(grads.get(name, torch.zeros_like(param)) if param.requires_grad else None)
+            out.append(grads[name] if param.requires_grad else None)
         return res.final, out
+
+    def _parameter_gradients(self, recorded: dict[int, dict[str, Tensor]]) -> dict[str, Tensor]:
+        """dL/dtheta of the owned layers, as the adjoint's final fine sweep recorded them (its
+        one VJP per layer, at final values, gives both w_n and dL/dtheta_n)."""
+        lo, hi = self.layer_range
+        missing = [n for n in range(lo, hi + 1) if n not in recorded]
+        if missing:
+            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+        grads = {}
+        for name in self.layers.names:
+            param = self.layers.params[name.replace(".", "__")]
+            grads[name] = (torch.stack([recorded[n][name] for n in range(lo, hi + 1)])
+                           if hi >= lo else torch.zeros_like(param))
+        return grads
 
     def forward(self, x: Tensor) -> Tensor:
         u0 = self.opening(x)

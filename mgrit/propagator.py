@@ -82,7 +82,10 @@ class Propagator(Protocol):
     It may also define `step_batch(U, steps)`, advancing the states U[i]
     (stacked along dimension 0) by `steps[i]` in one call; MGRIT uses it to
     relax all intervals of a level at once. Both must return new tensors of
-    the input's shape and dtype.
+    the input's shape and dtype. An optional `fine_sweep(active)` is called
+    with True before the last level-0 relaxation of every cycle and with False
+    after that cycle's residual: the steps in between are one per fine step,
+    taken from final values (the adjoint uses them for parameter gradients).
     """
 
     def step(self, u: Tensor, s: Step) -> Tensor: ...

@@ -1,0 +1,191 @@
+"""The CUDA kernels of mgrit.cuda: the build, the pure-torch twins against autograd, and
+(on a GPU) each kernel against its twin."""
+
+import ctypes
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mgrit import cuda
+
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "cuda" / "build.py"
+ENTRY_POINTS = ["mgrit_dense_step_f32", "mgrit_dense_step_f64", "mgrit_dense_step_vjp_f32",
+                "mgrit_dense_step_vjp_f64", "mgrit_dense_max_width", "mgrit_cuda_error_string"]
+
+
+def _builder():
+    spec = importlib.util.spec_from_file_location("mgrit_cuda_build", BUILD_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nvcc_missing() -> str | None:
+    try:
+        _builder().find_nvcc()
+    except Exception as err:
+        return str(err)
+    return None
+
+
+def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(B, S, d, generator=gen, dtype=dtype)
+    W = torch.randn(B, d, d, generator=gen, dtype=dtype) / d ** 0.5
+    b = torch.randn(B, d, generator=gen, dtype=dtype)
+    g = torch.randn(B, S, d, generator=gen, dtype=dtype)
+    return [t.to(device) for t in (u, W, b, g)]
+
+
+def _layer_by_layer(u, W, b, dt):
+    """u + dt * tanh(Linear_i(u_i)), one interval at a time."""
+    return torch.stack([u[i] + dt * torch.tanh(F.linear(u[i], W[i], b[i]))
+                        for i in range(len(u))])
+
+
+def _relative_error(actual, expected) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+# (a) the build -------------------------------------------------------------------------
+
+@pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
+def test_build_script_compiles_the_library(tmp_path):
+    proc = subprocess.run([sys.executable, str(BUILD_SCRIPT), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "-O3 -shared -Xcompiler -fPIC" in proc.stdout
+    lib_path = tmp_path / "libmgrit_cuda.so"
+    assert lib_path.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["libmgrit_cuda.so"]
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ENTRY_POINTS:
+        assert hasattr(lib, name), name
+    lib.mgrit_dense_max_width.restype = ctypes.c_int64
+    assert lib.mgrit_dense_max_width(4) == 6144 and lib.mgrit_dense_max_width(8) == 3072
+
+
+@pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_kernel_without_device_returns_an_error_code(tmp_path):
+    """Without a GPU a launch fails with a CUDA error code; the process is not aborted."""
+    lib = _builder().build(tmp_path)
+    script = (
+        "import ctypes, sys\n"
+        f"lib = ctypes.CDLL({str(lib)!r})\n"
+        "fn = lib.mgrit_dense_step_f32\n"
+        "fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_double, "
+        "ctypes.c_void_p]\n"
+        "lib.mgrit_cuda_error_string.restype = ctypes.c_char_p\n"
+        "code = fn(None, None, None, None, 2, 3, 4, 12, 16, 4, 0.5, None)\n"
+        "print(code, lib.mgrit_cuda_error_string(code).decode())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    code, reason = proc.stdout.split(" ", 1)
+    assert int(code) != 0 and reason.strip()
+
+
+def test_build_script_without_nvcc_fails_clearly(tmp_path):
+    env = dict(os.environ, NVCC=str(tmp_path / "no-such-nvcc"))
+    proc = subprocess.run([sys.executable, str(BUILD_SCRIPT), "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1
+    assert "no-such-nvcc" in proc.stderr and "not an executable" in proc.stderr
+    assert not (tmp_path / "libmgrit_cuda.so").exists()
+
+
+# (b) the twins against autograd ---------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,d", [(1, 1, 4), (6, 3, 7), (4, 5, 33)])
+def test_reference_forward_is_the_residual_step(B, S, d):
+    u, W, b, _ = _problem(B, S, d, torch.float64)
+    expected = _layer_by_layer(u, W, b, 0.3)
+    assert (cuda.dense_step_reference(u, W, b, 0.3) - expected).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("B,S,d", [(1, 1, 4), (6, 3, 7), (4, 5, 33)])
+def test_reference_vjp_matches_autograd(B, S, d):
+    u, W, b, g = _problem(B, S, d, torch.float64)
+    u = u.requires_grad_()
+    expected, = torch.autograd.grad(_layer_by_layer(u, W, b, 0.3), u, g)
+    actual = cuda.dense_step_vjp_reference(u.detach(), W, b, g, 0.3)
+    assert (actual - expected).abs().max() <= 1e-12
+
+
+# argument checks (any machine) -----------------------------------------------------------
+
+def test_available_needs_a_cuda_device():
+    if not torch.cuda.is_available():
+        assert cuda.available() is False
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (lambda a: {**a, "W": a["W"][:, :, :-1]}, ValueError, "W must have shape"),
+    (lambda a: {**a, "b": a["b"].float()}, TypeError, "b has dtype torch.float32"),
+    (lambda a: {k: v.half() for k, v in a.items()}, TypeError, "dtype torch.float16"),
+    (lambda a: {**a, "u": a["u"][0]}, ValueError, "u must have shape (B, S, d)"),
+    (lambda a: {**a, "W": a["W"].transpose(1, 2)}, ValueError, "W must be contiguous"),
+    (lambda a: {**a, "W": [1.0]}, TypeError, "W must be a torch.Tensor"),
+    (lambda a: a, ValueError, "need CUDA tensors"),
+])
+def test_kernel_arguments_are_checked(change, error, message):
+    u, W, b, _ = _problem(3, 2, 5, torch.float64)
+    args = change({"u": u, "W": W, "b": b})
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cuda.dense_step(args["u"], args["W"], args["b"], 0.1)
+
+
+def test_kernels_refuse_to_drop_autograd():
+    u, W, b, g = _problem(3, 2, 5, torch.float64)
+    with pytest.raises(RuntimeError, match="records no autograd graph"):
+        cuda.dense_step_vjp(u, W.requires_grad_(), b, g, 0.1)
+
+
+# (c) the kernels against their twins (GPU only) ------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+# tiles of 8 samples with partial tiles, widths off the warp size, and the one-sample path
+# (a tile too wide for shared memory)
+SHAPES = [(7, 1, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,S,d", SHAPES)
+def test_kernels_match_their_twins(B, S, d, dtype):
+    u, W, b, g = _problem(B, S, d, dtype, device="cuda")
+    fwd = cuda.dense_step(u, W, b, 0.25)
+    assert _relative_error(fwd, cuda.dense_step_reference(u, W, b, 0.25)) <= TOLERANCE[dtype]
+    vjp = cuda.dense_step_vjp(u, W, b, g, 0.25)
+    expected = cuda.dense_step_vjp_reference(u, W, b, g, 0.25)
+    assert _relative_error(vjp, expected) <= TOLERANCE[dtype]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernels_take_strided_layer_views(dtype):
+    """Every second layer of a stack, as LayerStack.rows gives a coarse level: no copy."""
+    u, W, b, g = _problem(8, 5, 48, dtype, device="cuda")
+    W2, b2 = W[::2], b[::2]
+    u2, g2 = u[::2], g[::2]
+    fwd = cuda.dense_step(u2, W2, b2, 0.5)
+    assert _relative_error(fwd, cuda.dense_step_reference(u2, W2, b2, 0.5)) <= TOLERANCE[dtype]
+    vjp = cuda.dense_step_vjp(u2, W2, b2, g2, 0.5)
+    expected = cuda.dense_step_vjp_reference(u2, W2, b2, g2, 0.5)
+    assert _relative_error(vjp, expected) <= TOLERANCE[dtype]
+
+
+@needs_gpu
+def test_too_wide_layers_are_refused():
+    limit = cuda.library().mgrit_dense_max_width(8)
+    u, W, b, _ = _problem(1, 1, limit + 1, torch.float64, device="cuda")
+    with pytest.raises(ValueError, match=f"width d = {limit + 1} exceeds"):
+        cuda.dense_step(u, W, b, 0.1)
