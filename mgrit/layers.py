@@ -432,7 +432,23 @@ class AdjointPropagator:
 
     def _vjp(self, tensors: dict[str, Tensor], us: Tensor, ws: Tensor, layers: list[int],
              level: int, dt: float) -> Tensor:
+        """ws + dt (df/du)^T ws for a batch. The adjoint is linear in w, so entries whose w is
+        exactly zero (much of a first cycle from a zero guess) map to zero and are skipped:
+        the result is the same to the bit."""
         record = self.recording and level == 0
+        nonzero = ws.reshape(len(ws), -1).any(dim=1)
+        if not bool(nonzero.all()):
+            out = torch.zeros_like(ws)
+            if record:
+                for layer in layers:
+                    self.gradients[layer] = {k: dt * torch.zeros_like(v[0])
+                                             for k, v in tensors.items() if k in self.stack.names}
+            keep = torch.nonzero(nonzero).flatten()
+            if len(keep):
+                out[keep] = self._vjp({k: v.index_select(0, keep) for k, v in tensors.items()},
+                                      us.index_select(0, keep), ws.index_select(0, keep),
+                                      [layers[i] for i in keep.tolist()], level, dt)
+            return out
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
         if record:
             for i, layer in enumerate(layers):
@@ -442,7 +458,7 @@ class AdjointPropagator:
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self.num_steps - s.fine_index - self.strides[s.level]
         u = self.states[p - self.offset]
-        if self.stack.chain is not None or (self.recording and s.level == 0):
+        if self.stack.chain is not None or (self.recording and s.level == 0) or not w.any():
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
         with torch.enable_grad():
             x = u.detach().requires_grad_()

@@ -1,0 +1,252 @@
+"""GPU check of the CUDA kernels and of layer-parallel training (run by gpu_check.sh).
+
+    python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--device cuda|cpu]
+
+Sections, each written to DIR/gpu_check.json as soon as it ends:
+  kernels_vs_twins  max relative error max|kernel - twin| / max|twin| of each kernel
+                    (asserted: float64 <= 1e-12, float32 <= 1e-5)
+  kernel_timing     kernels against their twins, B = 256 intervals, d = 32, S = 1 and 32
+  model_timing      serial PyTorch against layer-parallel MGRIT (one rank) on W2 and W2b:
+                    forward pass and training step, medians of --repeats
+A failing section is recorded with its error and the others still run; the exit status is
+1 if any failed, 2 without a CUDA device. `--device cpu` is a dry run of the script on a
+machine without a GPU: the kernel sections are skipped, model_timing runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import mgrit
+from mgrit import bench_train
+from mgrit import cuda as kernels
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+# (B, S, d): the timing shapes, partial sample tiles, widths off the warp size, the
+# one-sample path (a tile too wide for shared memory)
+CHECK_SHAPES = [(256, 1, 32), (256, 32, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
+TIMING_SHAPES = [(256, 1, 32), (256, 32, 32)]
+CALLS_PER_TIMING = 100
+
+
+def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: torch.device
+             ) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(B * 10007 + S * 101 + d)
+    tensors = {"u": torch.randn(B, S, d, generator=gen, dtype=dtype),
+               "W": torch.randn(B, d, d, generator=gen, dtype=dtype) / d ** 0.5,
+               "b": torch.randn(B, d, generator=gen, dtype=dtype),
+               "g": torch.randn(B, S, d, generator=gen, dtype=dtype)}
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def _pairs(p: dict[str, torch.Tensor], dt: float
+           ) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
+    """kernel name -> (kernel call, twin call) on problem p."""
+    u, W, b, g = p["u"], p["W"], p["b"], p["g"]
+    return {"dense_step": (lambda: kernels.dense_step(u, W, b, dt),
+                           lambda: kernels.dense_step_reference(u, W, b, dt)),
+            "dense_step_vjp": (lambda: kernels.dense_step_vjp(u, W, b, g, dt),
+                               lambda: kernels.dense_step_vjp_reference(u, W, b, g, dt))}
+
+
+def kernels_vs_twins(device: torch.device, records: list[dict[str, Any]]) -> None:
+    failures = []
+    for dtype in TOLERANCE:
+        for B, S, d in CHECK_SHAPES:
+            p = _problem(B, S, d, dtype, device)
+            views = {"contiguous": p, "every second layer": {k: v[::2] for k, v in p.items()}}
+            for layout, q in views.items():
+                for name, (kernel, twin) in _pairs(q, 0.25).items():
+                    err = _relative_error(kernel(), twin())
+                    ok = err <= TOLERANCE[dtype]
+                    records.append({"kernel": name, "dtype": str(dtype), "B": len(q["u"]),
+                                    "S": S, "d": d, "layout": layout,
+                                    "max_relative_error": err, "ok": ok})
+                    print(f"  {name:>15} {str(dtype):>13} B={len(q['u']):<4} S={S:<3} d={d:<4}"
+                          f" {layout:>18}: max relative error {err:.2e}"
+                          f"{'' if ok else f'  > {TOLERANCE[dtype]:.0e} FAILED'}")
+                    if not ok:
+                        failures.append(records[-1])
+    if failures:
+        raise AssertionError(f"{len(failures)} kernel results exceed the tolerance: {failures}")
+
+
+def _per_call_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+    """Median over repeats of the time of CALLS_PER_TIMING back-to-back calls, per call."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(CALLS_PER_TIMING):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / CALLS_PER_TIMING)
+    return statistics.median(times)
+
+
+def kernel_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
+    for dtype in TOLERANCE:
+        for B, S, d in TIMING_SHAPES:
+            for name, (kernel, twin) in _pairs(_problem(B, S, d, dtype, device), 0.25).items():
+                k = _per_call_seconds(kernel, torch.cuda.synchronize, repeats)
+                t = _per_call_seconds(twin, torch.cuda.synchronize, repeats)
+                records.append({"kernel": name, "dtype": str(dtype), "B": B, "S": S, "d": d,
+                                "kernel_us": k * 1e6, "twin_us": t * 1e6, "speedup": t / k})
+                print(f"  {name:>15} {str(dtype):>13} B={B} S={S:<3} d={d}: kernel "
+                      f"{k * 1e6:8.1f} us, twin {t * 1e6:8.1f} us, speedup {t / k:5.2f}")
+
+
+def _step(model: torch.nn.Module, work: bench_train.Workload, x: torch.Tensor,
+          y: torch.Tensor) -> Callable[[], None]:
+    opt = work.optimizer(model.parameters())
+
+    def train_step() -> None:
+        opt.zero_grad()
+        work.loss(model(x), y).backward()
+        opt.step()
+    return train_step
+
+
+def _forward(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+    return forward
+
+
+def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: solver storage, kernels
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for name in ("w2", "w2b"):
+        work = bench_train.WORKLOADS[name]()
+        print(f"  {work.description}")
+        model, serial = bench_train.build(work)
+        model, serial = model.to(device), serial.to(device)
+        x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
+        serial_seconds = {}
+        for method, net in (("serial pytorch", serial), ("layer-parallel mgrit", model)):
+            if net is model:
+                with torch.no_grad():
+                    model.eval()
+                    error = _relative_error(model(x), serial(x))
+                    model.train()
+                records.append({"workload": name, "method": method,
+                                "metric": "eval_output_vs_serial", "max_relative_error": error})
+                print(f"  eval output vs serial: max relative error {error:.2e}")
+            for metric, fn in (("forward", _forward(net, x)),
+                               ("train_step", _step(net, work, x, y))):
+                seconds = _median_seconds(fn, sync, repeats)
+                serial_seconds.setdefault(metric, seconds)
+                ratio = seconds / serial_seconds[metric]
+                records.append({"workload": name, "method": method, "metric": metric,
+                                "seconds": seconds, "ratio_to_serial": ratio})
+                print(f"  {metric:>10} {method:>22}: {seconds * 1e3:9.2f} ms "
+                      f"({ratio:.2f} x serial)")
+        records.append({"workload": name, "method": "layer-parallel mgrit",
+                        "metric": "solver_stats", "stats": model.stats})
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "torch_cuda": torch.version.cuda, "mgrit": mgrit.__file__, "device": str(device),
+           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+    return env
+
+
+def _table(results: dict[str, Any]) -> str:
+    lines = ["| section | case | value |", "|---|---|---|"]
+    for rec in results.get("kernel_timing", []):
+        lines.append(f"| kernel timing | {rec['kernel']} {rec['dtype']} B={rec['B']} "
+                     f"S={rec['S']} d={rec['d']} | kernel {rec['kernel_us']:.1f} us, twin "
+                     f"{rec['twin_us']:.1f} us ({rec['speedup']:.2f}x) |")
+    checks = results.get("kernels_vs_twins", [])
+    if checks:
+        worst = {dt: max(r["max_relative_error"] for r in checks if r["dtype"] == dt)
+                 for dt in {r["dtype"] for r in checks}}
+        for dt, err in sorted(worst.items()):
+            lines.append(f"| kernels vs twins | worst {dt} | {err:.2e} |")
+    for rec in results.get("model_timing", []):
+        if "seconds" in rec:
+            lines.append(f"| {rec['workload']} {rec['metric']} | {rec['method']} | "
+                         f"{rec['seconds'] * 1e3:.2f} ms ({rec['ratio_to_serial']:.2f}x serial) |")
+        elif "max_relative_error" in rec:
+            lines.append(f"| {rec['workload']} eval output | {rec['method']} vs serial | "
+                         f"{rec['max_relative_error']:.2e} |")
+    for section, error in results["failures"].items():
+        lines.append(f"| {section} | FAILED | {error.splitlines()[-1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a dry run of the script without a GPU")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: torch {torch.__version__} sees no CUDA device (CUDA build: "
+              f"{torch.version.cuda}); run this on a machine with an NVIDIA GPU and a CUDA "
+              "build of torch, or pass --device cpu for a dry run", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the twins in true float32
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"environment": _environment(device), "failures": {}}
+    # each section appends its records as it measures them: a failure keeps the earlier ones
+    sections: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+        "model_timing": lambda records: model_timing(device, args.repeats, records)}
+    if device.type == "cuda":
+        sections = {"kernels_vs_twins": lambda records: kernels_vs_twins(device, records),
+                    "kernel_timing": lambda records: kernel_timing(device, args.repeats, records),
+                    **sections}
+    for section, run in sections.items():
+        print(f"{section}:", flush=True)
+        start = time.perf_counter()
+        results[section] = []
+        try:
+            run(results[section])
+        except Exception:
+            results["failures"][section] = traceback.format_exc()
+            print(results["failures"][section], file=sys.stderr)
+        results.setdefault("seconds", {})[section] = time.perf_counter() - start
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+    table = _table(results)
+    (args.out / "gpu_check.md").write_text(table)
+    print(table)
+    return 1 if results["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
