@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--device cuda|cpu]
 
-Sections, each written to DIR/gpu_check.json as soon as it ends:
+Sections, each run in its own process and written to DIR/gpu_check.json as soon as it ends:
   kernels_vs_twins  max relative error max|kernel - twin| / max|twin| of each kernel
                     (asserted: float64 <= 1e-12, float32 <= 1e-5)
   kernel_timing     kernels against their twins, B = 256 intervals, d = 32, S = 1 and 32
@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -37,7 +38,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 # one-sample path (a tile too wide for shared memory)
 CHECK_SHAPES = [(256, 1, 32), (256, 32, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
 TIMING_SHAPES = [(256, 1, 32), (256, 32, 32)]
-CALLS_PER_TIMING = 100
+KERNEL_CALLS = 100  # back-to-back calls per timed kernel repeat
+SECTIONS = ("kernels_vs_twins", "kernel_timing", "model_timing")
 
 
 def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: torch.device
@@ -86,18 +88,18 @@ def kernels_vs_twins(device: torch.device, records: list[dict[str, Any]]) -> Non
         raise AssertionError(f"{len(failures)} kernel results exceed the tolerance: {failures}")
 
 
-def _per_call_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
-    """Median over repeats of the time of CALLS_PER_TIMING back-to-back calls, per call."""
-    for _ in range(10):
-        fn()
+def _median_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int,
+                    calls: int = 1) -> float:
+    """Median over repeats of the time per call of `calls` back-to-back calls."""
+    fn()  # warm-up: solver storage, kernels, library handles
     times = []
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        for _ in range(CALLS_PER_TIMING):
+        for _ in range(calls):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / CALLS_PER_TIMING)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -105,8 +107,8 @@ def kernel_timing(device: torch.device, repeats: int, records: list[dict[str, An
     for dtype in TOLERANCE:
         for B, S, d in TIMING_SHAPES:
             for name, (kernel, twin) in _pairs(_problem(B, S, d, dtype, device), 0.25).items():
-                k = _per_call_seconds(kernel, torch.cuda.synchronize, repeats)
-                t = _per_call_seconds(twin, torch.cuda.synchronize, repeats)
+                k = _median_seconds(kernel, torch.cuda.synchronize, repeats, KERNEL_CALLS)
+                t = _median_seconds(twin, torch.cuda.synchronize, repeats, KERNEL_CALLS)
                 records.append({"kernel": name, "dtype": str(dtype), "B": B, "S": S, "d": d,
                                 "kernel_us": k * 1e6, "twin_us": t * 1e6, "speedup": t / k})
                 print(f"  {name:>15} {str(dtype):>13} B={B} S={S:<3} d={d}: kernel "
@@ -131,18 +133,6 @@ def _forward(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return forward
 
 
-def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: solver storage, kernels
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for name in ("w2", "w2b"):
@@ -151,16 +141,15 @@ def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any
         model, serial = bench_train.build(work)
         model, serial = model.to(device), serial.to(device)
         x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
+        with torch.no_grad():  # before either is trained
+            model.eval()
+            error = _relative_error(model(x), serial(x))
+            model.train()
+        records.append({"workload": name, "method": "layer-parallel mgrit",
+                        "metric": "eval_output_vs_serial", "max_relative_error": error})
+        print(f"  eval output vs serial: max relative error {error:.2e}")
         serial_seconds = {}
         for method, net in (("serial pytorch", serial), ("layer-parallel mgrit", model)):
-            if net is model:
-                with torch.no_grad():
-                    model.eval()
-                    error = _relative_error(model(x), serial(x))
-                    model.train()
-                records.append({"workload": name, "method": method,
-                                "metric": "eval_output_vs_serial", "max_relative_error": error})
-                print(f"  eval output vs serial: max relative error {error:.2e}")
             for metric, fn in (("forward", _forward(net, x)),
                                ("train_step", _step(net, work, x, y))):
                 seconds = _median_seconds(fn, sync, repeats)
@@ -208,12 +197,31 @@ def _table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_section(section: str, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Records of one section, and its traceback if it failed (the records up to there)."""
+    sections: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+        "kernels_vs_twins": lambda records: kernels_vs_twins(device, records),
+        "kernel_timing": lambda records: kernel_timing(device, repeats, records),
+        "model_timing": lambda records: model_timing(device, repeats, records)}
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    try:
+        sections[section](records)
+        failure = None
+    except Exception:
+        failure = traceback.format_exc()
+        print(failure, file=sys.stderr)
+    return {"records": records, "failure": failure, "seconds": time.perf_counter() - start}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run of the script without a GPU")
+    parser.add_argument("--section", choices=SECTIONS,
+                        help="run only this section, writing OUT/section-NAME.json")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: torch {torch.__version__} sees no CUDA device (CUDA build: "
@@ -223,24 +231,31 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the twins in true float32
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"environment": _environment(device), "failures": {}}
-    # each section appends its records as it measures them: a failure keeps the earlier ones
-    sections: dict[str, Callable[[list[dict[str, Any]]], None]] = {
-        "model_timing": lambda records: model_timing(device, args.repeats, records)}
-    if device.type == "cuda":
-        sections = {"kernels_vs_twins": lambda records: kernels_vs_twins(device, records),
-                    "kernel_timing": lambda records: kernel_timing(device, args.repeats, records),
-                    **sections}
-    for section, run in sections.items():
+    if args.section:
+        part = run_section(args.section, device, args.repeats)
+        (args.out / f"section-{args.section}.json").write_text(
+            json.dumps(part, indent=1, default=str))
+        return 1 if part["failure"] else 0
+
+    # each section in its own process: a kernel fault that poisons the CUDA context (an
+    # illegal address) cannot take the other sections' measurements with it
+    results: dict[str, Any] = {"environment": _environment(device), "failures": {},
+                               "seconds": {}}
+    for section in SECTIONS if device.type == "cuda" else ("model_timing",):
         print(f"{section}:", flush=True)
-        start = time.perf_counter()
-        results[section] = []
-        try:
-            run(results[section])
-        except Exception:
-            results["failures"][section] = traceback.format_exc()
-            print(results["failures"][section], file=sys.stderr)
-        results.setdefault("seconds", {})[section] = time.perf_counter() - start
+        part_file = args.out / f"section-{section}.json"
+        part_file.unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, __file__, "--section", section, "--out",
+                               str(args.out), "--repeats", str(args.repeats), "--device",
+                               args.device])
+        if part_file.exists():
+            part = json.loads(part_file.read_text())
+            results[section], results["seconds"][section] = part["records"], part["seconds"]
+            if part["failure"]:
+                results["failures"][section] = part["failure"]
+        else:
+            results["failures"][section] = (f"the section's process ended with exit status "
+                                            f"{proc.returncode} and wrote no results")
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
     table = _table(results)
     (args.out / "gpu_check.md").write_text(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Protocol
@@ -123,21 +124,25 @@ class ReversedComm:
 def _as_buffer(t: Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, shared with it (no copy), for any dtype."""
     if t.device.type != "cpu":
-        raise ValueError(f"MPI buffers must be CPU tensors, got one on {t.device}")
+        raise ValueError(f"MPI buffers must be CPU tensors here, got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError("MPI buffers must be contiguous tensors")
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 class _MPIRequest:
-    __slots__ = ("req", "buf")
+    __slots__ = ("req", "buf", "done")
 
-    def __init__(self, req: Any, buf: np.ndarray) -> None:
+    def __init__(self, req: Any, buf: Any, done: Any = None) -> None:
         self.req = req
-        self.buf = buf  # keeps the memory alive while the message is in flight
+        self.buf = buf    # keeps the memory alive while the message is in flight
+        self.done = done  # what to do once it has arrived (copy a staged receive to the GPU)
 
     def wait(self) -> None:
         self.req.Wait()
+        if self.done is not None:
+            self.done()
+            self.done = None
 
 
 _ABORT_HOOK_INSTALLED = False
@@ -167,22 +172,46 @@ def _install_abort_hook() -> None:
 
 
 class MPIComm:
-    """An mpi4py communicator: buffer messages of contiguous tensors, never pickled."""
+    """An mpi4py communicator: buffer messages of contiguous tensors, never pickled.
 
-    def __init__(self, comm: Any) -> None:
+    GPU tensors go directly from device memory when the MPI is CUDA-aware (say so with
+    `cuda_aware=True` or MGRIT_CUDA_AWARE_MPI=1), otherwise through a host copy.
+    """
+
+    def __init__(self, comm: Any, cuda_aware: bool | None = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.cuda_aware = (os.environ.get("MGRIT_CUDA_AWARE_MPI") == "1" if cuda_aware is None
+                           else cuda_aware)
         _install_abort_hook()
 
+    def _device_buffer(self, t: Tensor) -> Any:
+        """A CUDA tensor's bytes for a CUDA-aware MPI, once its pending kernels are done."""
+        torch.cuda.current_stream(t.device).synchronize()
+        return [t.detach().reshape(-1).view(torch.uint8), self._mpi.BYTE]
+
     def isend(self, buf: Tensor, dest: int, tag: int) -> _MPIRequest:
+        if buf.device.type == "cuda":
+            if self.cuda_aware:
+                data = self._device_buffer(buf)
+                return _MPIRequest(self.comm.Isend(data, dest=dest, tag=tag), data)
+            buf = buf.detach().cpu()
         data = _as_buffer(buf)
         return _MPIRequest(self.comm.Isend([data, self._mpi.BYTE], dest=dest, tag=tag), data)
 
     def irecv(self, buf: Tensor, source: int, tag: int) -> _MPIRequest:
+        if buf.device.type == "cuda":
+            if self.cuda_aware:
+                data = self._device_buffer(buf)
+                return _MPIRequest(self.comm.Irecv(data, source=source, tag=tag), data)
+            host = torch.empty(buf.shape, dtype=buf.dtype)
+            data = _as_buffer(host)
+            return _MPIRequest(self.comm.Irecv([data, self._mpi.BYTE], source=source, tag=tag),
+                               data, done=lambda: buf.copy_(host))
         data = _as_buffer(buf)
         return _MPIRequest(self.comm.Irecv([data, self._mpi.BYTE], source=source, tag=tag), data)
 
@@ -193,7 +222,10 @@ class MPIComm:
         return float(recv[0])
 
     def bcast_(self, buf: Tensor, root: int) -> None:
-        self.comm.Bcast([_as_buffer(buf), self._mpi.BYTE], root=root)
+        host = buf.detach().cpu() if buf.device.type == "cuda" else buf
+        self.comm.Bcast([_as_buffer(host), self._mpi.BYTE], root=root)
+        if host is not buf:
+            buf.copy_(host)
 
     def agree(self, what: str, value: Any) -> None:
         values = self.comm.allgather(value)
@@ -210,7 +242,10 @@ class MPIComm:
         return self.comm.gather(obj, root=root)
 
     def allreduce_sum_(self, buf: Tensor) -> None:
-        self.comm.Allreduce(self._mpi.IN_PLACE, buf.detach().numpy(), op=self._mpi.SUM)
+        host = buf.detach().cpu() if buf.device.type == "cuda" else buf.detach()
+        self.comm.Allreduce(self._mpi.IN_PLACE, host.numpy(), op=self._mpi.SUM)
+        if host.data_ptr() != buf.data_ptr():
+            buf.copy_(host)
 
 
 def split_world(world: Any, layer_parallel: int) -> tuple[Any, Any]:

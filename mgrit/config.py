@@ -12,7 +12,7 @@ RELAX_KINDS = ("F", "FCF")
 CYCLE_KINDS = ("V", "F")
 GUESS_KINDS = ("zero", "nested", "warm")
 TOL_KINDS = ("absolute", "relative")
-EXECUTIONS = ("auto", "loop", "batched")
+EXECUTIONS = ("auto", "loop", "batched", "streams")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -55,8 +55,8 @@ class Config:
     max_iter:       most cycles
     divergence_factor: a residual above this multiple of the first one, or
                     one that is not finite, stops the solve with DivergenceError
-    execution:      "auto" (batched when the propagator has step_batch),
-                    "loop" or "batched"
+    execution:      "auto" (batched when the propagator has step_batch), "loop",
+                    "batched", or "streams" (interval groups on CUDA streams; a loop on CPU)
     """
 
     levels: int = 2

@@ -394,9 +394,6 @@ class NetworkPropagator:
             self.step_batch = self._step_batch
 
     def step(self, u: Tensor, s: Step) -> Tensor:
-        if self.stack.chain is not None:
-            tensors = self.stack.rows(s.fine_index, 1, 1)
-            return u + s.dt * self.stack.chain.forward(tensors, u[None])[0]
         return u + s.dt * self.stack.module(s.fine_index)(u)
 
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
