@@ -5,9 +5,10 @@
 #     bash benchmarks/gpu_check.sh                 # results in ./gpu-out
 #     OUT=/some/dir bash benchmarks/gpu_check.sh
 #
-# Steps (about 2 minutes on an H200; a torch install, when needed, comes on top):
+# Steps (a few minutes: step 4 is cut off after $CHECK_TIMEOUT s, default 420; a torch
+# install, when needed, comes on top):
 #   1. Python: $PYTHON (default python3) if it can import mgrit (the checkout is put on
-#      PYTHONPATH); otherwise a fresh venv $VENV (default .venv-gpu in the repository) with
+#      PYTHONPATH); otherwise a fresh venv $VENV (default /tmp/mgrit-gpu-venv) with
 #      `pip install "torch>=2.3"` (on Linux pip's default torch is the CUDA build) and
 #      `pip install -e .`.
 #   2. nvidia-smi and nvcc versions into $OUT/environment.txt.
@@ -34,7 +35,7 @@ fi
 
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import mgrit" 2>/dev/null; then
-    VENV=${VENV:-$ROOT/.venv-gpu}
+    VENV=${VENV:-${TMPDIR:-/tmp}/mgrit-gpu-venv}
     echo "mgrit does not import with $PY: installing into $VENV"
     python3 -m venv "$VENV" || exit 1
     PY=$VENV/bin/python

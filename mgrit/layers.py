@@ -244,6 +244,22 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     return template, kept
 
 
+def _is_dense_tanh(template: nn.Module) -> bool:
+    """Exactly Linear(d, d) with bias, then Tanh: the step the CUDA kernels implement."""
+    return (isinstance(template, nn.Sequential) and len(template) == 2
+            and type(template[0]) is nn.Linear and template[0].bias is not None
+            and template[0].in_features == template[0].out_features
+            and type(template[1]) is nn.Tanh)
+
+
+def _use_cuda_kernels(stack: "LayerStack", states: Tensor) -> bool:
+    if not (stack.dense_tanh and states.is_cuda):
+        return False
+    from . import cuda
+
+    return cuda.available()
+
+
 class LayerStack(nn.Module):
     """Layers first..last of a network (possibly none) with stacked parameters.
 
@@ -277,6 +293,7 @@ class LayerStack(nn.Module):
         self._modules_by_layer: dict[int, nn.Module] = {}
         self._storage_key: tuple = ()
         self.chain = Chain.of(template)
+        self.dense_tanh = _is_dense_tanh(template)
 
     @property
     def count(self) -> int:
@@ -306,8 +323,10 @@ class LayerStack(nn.Module):
             if stride > 0:
                 return {k: v[lo: lo + stride * (count - 1) + 1: stride]
                         for k, v in self.tensors().items()}
-            index = torch.arange(lo, lo + stride * count, stride)
-            return {k: v.index_select(0, index) for k, v in self.tensors().items()}
+            tensors = self.tensors()
+            device = next(iter(tensors.values())).device
+            index = torch.arange(lo, lo + stride * count, stride, device=device)
+            return {k: v.index_select(0, index) for k, v in tensors.items()}
         layers = [start + i * stride for i in range(count)]
         per_layer = [self.layer_tensors(n) for n in layers]
         return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
@@ -399,6 +418,12 @@ class NetworkPropagator:
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         m = steps.level_stride
         tensors = self.stack.rows(steps.start * m, steps.stride * m, steps.count)
+        if _use_cuda_kernels(self.stack, states):
+            from .cuda import dense_step
+
+            flat = states.reshape(len(states), -1, states.shape[-1])
+            return dense_step(flat, tensors["0.weight"], tensors["0.bias"],
+                              steps.dt).reshape(states.shape)
         return states + steps.dt * self.stack.f_batch(tensors, states)
 
 
@@ -446,6 +471,12 @@ class AdjointPropagator:
                                       us.index_select(0, keep), ws.index_select(0, keep),
                                       [layers[i] for i in keep.tolist()], level, dt)
             return out
+        if not record and _use_cuda_kernels(self.stack, ws):
+            from .cuda import dense_step_vjp
+
+            shape = (len(ws), -1, ws.shape[-1])
+            return dense_step_vjp(us.reshape(shape), tensors["0.weight"], tensors["0.bias"],
+                                  ws.reshape(shape), dt).reshape(ws.shape)
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
         if record:
             for i, layer in enumerate(layers):
@@ -467,6 +498,6 @@ class AdjointPropagator:
         first = self.num_steps - steps.start * m - m
         stride = -steps.stride * m
         points = torch.arange(first, first + stride * steps.count, stride)
-        us = self.states.index_select(0, points - self.offset)
+        us = self.states.index_select(0, (points - self.offset).to(self.states.device))
         tensors = self.stack.rows(first, stride, steps.count)
         return self._vjp(tensors, us, ws, points.tolist(), steps.level, steps.dt)

@@ -207,7 +207,8 @@ class LayerParallel(nn.Module):
         comm = self._layer_comm
         requests, received = [], []
         for tag, layer, owner in self._ghost_recvs:
-            buf = torch.empty(self.layers.flat_size(), dtype=self._dtype())
+            buf = torch.empty(self.layers.flat_size(), dtype=self._dtype(),
+                              device=self._device())
             requests.append(comm.irecv(buf, owner, tag))
             received.append((layer, buf))
         for tag, layer, dest in self._ghost_sends:
@@ -220,6 +221,10 @@ class LayerParallel(nn.Module):
     def _dtype(self) -> torch.dtype:
         tensors = list(self.layers.tensors().values())
         return tensors[0].dtype if tensors else torch.get_default_dtype()
+
+    def _device(self) -> torch.device:
+        tensors = list(self.layers.tensors().values())
+        return tensors[0].device if tensors else torch.device("cpu")
 
     # the two solves ----------------------------------------------------------------
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
@@ -358,7 +363,7 @@ class LayerParallel(nn.Module):
         path = self.checkpoint_path(directory)
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint for this rank at {path}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location=self._device(), weights_only=False)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a mgrit checkpoint of format {CHECKPOINT_FORMAT}")
         mine = self._layout()
@@ -373,7 +378,7 @@ class LayerParallel(nn.Module):
             optimizer.load_state_dict(state["optimizer"])
         for kind, entries in state["warm"].items():
             for (shape, dtype), rows in entries.items():
-                like = torch.zeros(shape, dtype=dtype)
+                like = torch.zeros(shape, dtype=dtype, device=self._device())
                 solver = (self._solver(like, keep=True) if kind == "forward"
                           else self._adjoint_solver(like))
                 solver.fine_states()[0].copy_(rows)

@@ -101,6 +101,29 @@ def test_build_script_without_nvcc_fails_clearly(tmp_path):
     assert not (tmp_path / "libmgrit_cuda.so").exists()
 
 
+@pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
+def test_library_is_built_on_first_use_and_rebuilt_when_stale(tmp_path, monkeypatch):
+    path = tmp_path / "libmgrit_cuda.so"
+    monkeypatch.setattr(cuda, "LIBRARY_PATH", path)
+    monkeypatch.setattr(cuda, "_loaded", None)
+    assert cuda.library().mgrit_dense_max_width(8) == 3072 and path.is_file()
+    os.utime(path, (0, 0))  # older than the source
+    monkeypatch.setattr(cuda, "_loaded", None)
+    cuda.library()
+    assert path.stat().st_mtime > 0
+
+
+def test_library_failure_is_reported_and_remembered(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda, "LIBRARY_PATH", tmp_path / "libmgrit_cuda.so")
+    monkeypatch.setattr(cuda, "_loaded", None)
+    monkeypatch.setenv("NVCC", str(tmp_path / "no-such-nvcc"))
+    with pytest.raises(RuntimeError, match="cannot be loaded: .*no-such-nvcc"):
+        cuda.library()
+    monkeypatch.delenv("NVCC")
+    with pytest.raises(RuntimeError, match="no-such-nvcc"):
+        cuda.library()
+
+
 # (b) the twins against autograd ---------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,d", [(1, 1, 4), (6, 3, 7), (4, 5, 33)])
