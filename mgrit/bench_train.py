@@ -55,11 +55,11 @@ def _w1() -> Workload:
 
 
 def _w2(batch: int = 1) -> Workload:
-    fwd, bwd = _mgrit_configs()
+    fwd, bwd = _mgrit_configs(levels=4)
     name = "w2" if batch == 1 else "w2b"
     return Workload(
-        name, f"dense tanh ResNet, width 32, N = 1024, batch {batch}, SGD(0.01); MGRIT 3 "
-        "levels, m = 4, F/FCF, 2 forward and 1 backward cycle, batched relaxation",
+        name, f"dense tanh ResNet, width 32, N = 1024, batch {batch}, SGD(0.01); MGRIT 4 "
+        "levels, m = 4, F/FCF/FCF, 2 forward and 1 backward cycle, batched relaxation",
         models.w2, fwd, bwd,
         lambda g: (torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)),
         nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),

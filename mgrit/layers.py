@@ -64,6 +64,9 @@ class _Linear:
              else torch.bmm(flat, w))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        return F.linear(x, t[self.weight], t[self.bias] if self.bias else None)
+
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
         x, g = _stacked(x), _stacked(g)
@@ -92,6 +95,10 @@ class _Conv2d:
         return [F.conv2d(x[i], w[i], None if b is None else b[i], padding=self.padding)
                 for i in range(len(x))]
 
+    def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        return F.conv2d(x, t[self.weight], t[self.bias] if self.bias else None,
+                        padding=self.padding)
+
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> list[Tensor] | None:
         w = t[self.weight]
@@ -119,6 +126,9 @@ class _Activation:
         if isinstance(x, list):
             return [_apply_activation(fn, v, inplace) for v in x]
         return _apply_activation(fn, x, inplace)
+
+    def single(self, t: dict[str, Tensor], x: Tensor, inplace: bool = False) -> Tensor:
+        return _apply_activation(self.module, x, inplace)
 
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> Values:
@@ -193,6 +203,16 @@ class Chain:
 
     def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
         return _stacked(self._run(t, x)[-1])
+
+    def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+        """f(x) for one layer (t holds that layer's tensors, x one state): plain calls,
+        activations in place on the fresh output of the op before them."""
+        for i, op in enumerate(self.ops):
+            if isinstance(op, _Activation):
+                x = op.single(t, x, inplace=i > 0 and self.ops[i - 1].fresh_output)
+            else:
+                x = op.single(t, x)
+        return x
 
     def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, want_input: bool = True,
             want_params: bool = False) -> tuple[Tensor | None, dict[str, Tensor] | None]:
@@ -291,7 +311,7 @@ class LayerStack(nn.Module):
         template.requires_grad_(False)
         object.__setattr__(self, "template", template)
         self._modules_by_layer: dict[int, nn.Module] = {}
-        self._storage_key: tuple = ()
+        self._views: dict[int, dict[str, Tensor]] = {}
         self.chain = Chain.of(template)
         self.dense_tanh = _is_dense_tanh(template)
 
@@ -345,21 +365,32 @@ class LayerStack(nn.Module):
         else:
             self.ghosts[layer] = {k: v.clone() for k, v in out.items()}
 
+    def _apply(self, fn, recurse=True):
+        """Conversions (.to, .double, ...) give the tensors new storage: drop cached views
+        and ghost layers (the next forward pass receives them again)."""
+        self._modules_by_layer.clear()
+        self._views.clear()
+        self.ghosts.clear()
+        return super()._apply(fn, recurse)
+
+    def views(self, layer: int) -> dict[str, Tensor]:
+        """Layer `layer`'s tensors, detached views cached per layer (in-place updates by the
+        optimizer show through; `_apply` and `set_ghost` keep them current)."""
+        if layer not in self._views:
+            self._views[layer] = {k: v.detach() for k, v in self.layer_tensors(layer).items()}
+        return self._views[layer]
+
     def module(self, layer: int) -> nn.Module:
         """Layer `layer` as a plain module whose weights are (detached) views of the stacked
         tensors: a direct call, much cheaper than a functional call for single steps."""
-        key = tuple(t.data_ptr() for t in self.tensors().values())
-        if key != self._storage_key:
-            self._modules_by_layer.clear()
-            self._storage_key = key
         if layer not in self._modules_by_layer:
             mod = copy.deepcopy(self.template)
-            for name, value in self.layer_tensors(layer).items():
+            for name, value in self.views(layer).items():
                 path, _, attr = name.rpartition(".")
                 sub = mod.get_submodule(path)
                 sub._parameters.pop(attr, None)
                 sub._buffers.pop(attr, None)
-                setattr(sub, attr, value.detach())
+                setattr(sub, attr, value)
             self._modules_by_layer[layer] = mod
         return self._modules_by_layer[layer]
 
@@ -371,8 +402,7 @@ class LayerStack(nn.Module):
         return torch.cat([t.detach().reshape(-1) for t in self.layer_tensors(layer).values()])
 
     def flat_size(self) -> int:
-        return sum(int(v[0].numel()) if len(v) else int(torch.Size(v.shape[1:]).numel())
-                   for v in self.tensors().values())
+        return sum(int(torch.Size(v.shape[1:]).numel()) for v in self.tensors().values())
 
     # evaluation ----------------------------------------------------------------
     def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
@@ -413,6 +443,8 @@ class NetworkPropagator:
             self.step_batch = self._step_batch
 
     def step(self, u: Tensor, s: Step) -> Tensor:
+        if self.stack.chain is not None:
+            return u + s.dt * self.stack.chain.single(self.stack.views(s.fine_index), u)
         return u + s.dt * self.stack.module(s.fine_index)(u)
 
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
@@ -434,7 +466,8 @@ class AdjointPropagator:
 
     While `fine_sweep(True)` is on, level-0 steps (the final fine-level sweep of the adjoint
     and its residual: one VJP per layer, with final values) also give the layer's parameter
-    gradient, dt (df/dtheta)(u_p)^T w, from the same forward pass; `gradients` collects them.
+    gradient, dt (df/dtheta)(u_p)^T w, from the same forward pass; `gradients` collects them
+    batch by batch.
     """
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
@@ -445,7 +478,9 @@ class AdjointPropagator:
         self.states = states        # forward states: row i holds point offset + i
         self.offset = offset
         self.recording = False
-        self.gradients: dict[int, dict[str, Tensor]] = {}
+        # (layers, parameter cotangents of that batch, dt), in the order they were taken;
+        # a later entry for a layer replaces an earlier one
+        self.gradients: list[tuple[list[int], dict[str, Tensor], float]] = []
         if batched:
             self.step_batch = self._step_batch
 
@@ -462,9 +497,9 @@ class AdjointPropagator:
         if not bool(nonzero.all()):
             out = torch.zeros_like(ws)
             if record:
-                for layer in layers:
-                    self.gradients[layer] = {k: dt * torch.zeros_like(v[0])
-                                             for k, v in tensors.items() if k in self.stack.names}
+                zeros = {k: torch.zeros_like(v) for k, v in tensors.items()
+                         if k in self.stack.names}
+                self.gradients.append((layers, zeros, dt))
             keep = torch.nonzero(nonzero).flatten()
             if len(keep):
                 out[keep] = self._vjp({k: v.index_select(0, keep) for k, v in tensors.items()},
@@ -479,8 +514,7 @@ class AdjointPropagator:
                                   ws.reshape(shape), dt).reshape(ws.shape)
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
         if record:
-            for i, layer in enumerate(layers):
-                self.gradients[layer] = {k: dt * v[i] for k, v in dp.items()}
+            self.gradients.append((layers, dp, dt))
         return ws + dt * du
 
     def step(self, w: Tensor, s: Step) -> Tensor:

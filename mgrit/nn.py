@@ -242,7 +242,7 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             solver = self._adjoint_solver(grad_out)
             prop: AdjointPropagator = solver.prop
-            prop.gradients = {}
+            prop.gradients = []
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = self._parameter_gradients(prop.gradients)
@@ -252,18 +252,23 @@ class LayerParallel(nn.Module):
             out.append(grads[name] if param.requires_grad else None)
         return res.final, out
 
-    def _parameter_gradients(self, recorded: dict[int, dict[str, Tensor]]) -> dict[str, Tensor]:
+    def _parameter_gradients(self, recorded: list[tuple[list[int], dict[str, Tensor], float]]
+                             ) -> dict[str, Tensor]:
         """dL/dtheta of the owned layers, as the adjoint's final fine sweep recorded them (its
         one VJP per layer, at final values, gives both w_n and dL/dtheta_n)."""
         lo, hi = self.layer_range
-        missing = [n for n in range(lo, hi + 1) if n not in recorded]
-        if missing:
+        grads = {name: torch.zeros_like(self.layers.params[name.replace(".", "__")])
+                 for name in self.layers.names}
+        reached = torch.zeros(max(hi - lo + 1, 0), dtype=torch.bool)
+        for layers, cotangents, dt in recorded:
+            rows = torch.tensor(layers) - lo
+            reached[rows] = True
+            rows = rows.to(self._device())
+            for name in grads:
+                grads[name][rows] = dt * cotangents[name]
+        if not bool(reached.all()):
+            missing = (torch.nonzero(~reached).flatten() + lo).tolist()
             raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
-        grads = {}
-        for name in self.layers.names:
-            param = self.layers.params[name.replace(".", "__")]
-            grads[name] = (torch.stack([recorded[n][name] for n in range(lo, hi + 1)])
-                           if hi >= lo else torch.zeros_like(param))
         return grads
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,234 +1,650 @@
-"""Predicted speedups past this machine: virtual ranks, traces, replay (docs/scaling.md).
+"""Predicted speedups past this machine (DESIGN.md section 7, docs/scaling.md).
 
-Runs with more ranks than cores cannot be timed, so the real solver runs for P virtual
-ranks in one process, one thread per rank, joined by a `VirtualComm` of in-memory
-mailboxes. Each rank's compute is its thread's CPU time between communication calls: the
-time its own work takes on a core, whatever the other threads do meanwhile. The traces are
-replayed (`mgrit.trace.replay`) on a modelled network; serial PyTorch and layer-wise model
-parallelism are modelled from measured per-layer costs with the same replay.
+Layer-parallel training runs for P virtual ranks in one process (`mgrit.trace.run_ranks`):
+the real `LayerParallel` code, one thread per rank, one rank at a time, each rank's compute
+measured as its thread's CPU time between communication calls. For W1 the layer kernels
+(the hand-written conv chain) are not run but charged from a cost table measured here, so
+that 1024 conv layers do not have to be computed again for every P; everything else runs.
+The traces are replayed on a modelled network (`mgrit.trace.replay`). Serial PyTorch and
+layer-wise model parallelism are modelled from the measured per-layer costs of the plain
+network and replayed the same way. The model is checked against 1 and 2 real MPI ranks.
 
-    python -m mgrit.scaling OUT_DIR      writes OUT_DIR/scaling.json, OUT_DIR/scaling.png
+    python -m mgrit.scaling OUT_DIR      writes OUT_DIR/scaling.json and OUT_DIR/scaling.png
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import threading
-from typing import Any, Callable, TypeVar
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .comm import Request
+from . import models
+from .bench import mpiexec, w0_case
+from .bench_train import WORKLOADS, Workload
+from .comm import Comm, MPIComm
+from .config import Config
+from .cycle import solve
+from .nn import LayerParallel, serial_resnet
+from .trace import Event, Network, Prediction, Tracer, TracingComm, replay, run_ranks
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
 
-
-class _Gathering:
-    """One collective call in progress: the ranks' contributions and, once all are in,
-    the result (or the error) every rank gets."""
-
-    __slots__ = ("values", "done", "result", "error", "readers")
-
-    def __init__(self) -> None:
-        self.values: dict[int, Any] = {}
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: Exception | None = None
-        self.readers = 0
-
-
-class VirtualFailure(RuntimeError):
-    """Another virtual rank failed or the world timed out while this one waited."""
+RANKS = [2 ** k for k in range(1, 11)]
+# An assumed cluster interconnect (InfiniBand-class MPI: a few microseconds, ~10 GB/s); the
+# per-message CPU overhead is this implementation's, measured on this machine.
+CLUSTER_LATENCY, CLUSTER_BANDWIDTH = 5e-6, 10e9
+LITERATURE_SPEEDUP = 10.2   # Kirby et al. 2020, over layer-wise model parallelism, GPUs
 
 
-class VirtualWorld:
-    """Mailboxes and collectives shared by the threads that play the ranks."""
+@dataclass(frozen=True)
+class Case:
+    """A training workload of bench_train at `num_steps` layers. `costed`: in virtual runs
+    convolutions are charged from a cost table instead of computed. `levels`: a
+    different MGRIT hierarchy depth (F-relaxation on the fine level, FCF below)."""
 
-    def __init__(self, size: int, timeout: float, serial: bool) -> None:
-        self.size = size
-        self.timeout = timeout
-        self.serial = serial
-        self.turn = threading.Lock()
-        self._lock = threading.Lock()
-        self._arrived = [threading.Condition(self._lock) for _ in range(size)]
-        self._messages: dict[tuple, Tensor] = {}
-        self._gatherings: dict[tuple[str, int], _Gathering] = {}
-        self.failure: tuple[int, BaseException] | None = None
+    name: str
+    workload: str
+    num_steps: int
+    costed: bool
+    levels: int | None = None
 
-    def fail(self, rank: int, error: BaseException) -> None:
-        """Record the first failure and wake every waiting rank so that it gives up."""
-        with self._lock:
-            if self.failure is None:
-                self.failure = (rank, error)
-            for cond in self._arrived:
-                cond.notify_all()
-            gatherings = list(self._gatherings.values())
-        for g in gatherings:
-            g.done.set()
-
-    def _check(self, rank: int, waited: float) -> None:
-        if self.failure is not None:
-            raise VirtualFailure(f"virtual rank {rank} stops: rank {self.failure[0]} failed")
-        if waited > self.timeout:
-            raise VirtualFailure(f"virtual rank {rank} waited over {self.timeout} s (deadlock?)")
-
-    def post(self, key: tuple, dest: int, value: Tensor) -> None:
-        with self._lock:
-            self._messages[key] = value
-            self._arrived[dest].notify_all()
-
-    def take(self, key: tuple, rank: int) -> Tensor:
-        waited = 0.0
-        while True:
-            with self._lock:
-                if key in self._messages:
-                    return self._messages.pop(key)
-                self._check(rank, waited)
-                if self.serial:
-                    self.turn.release()
-                self._arrived[rank].wait(1.0)
-            if self.serial:
-                self.turn.acquire()
-            waited += 1.0
-
-    def gather(self, key: tuple[str, int], rank: int, size: int, value: Any,
-               combine: Callable[[list[Any]], Any]) -> Any:
-        """Contribute `value`; once all `size` ranks have, every one gets combine(values)."""
-        with self._lock:
-            g = self._gatherings.setdefault(key, _Gathering())
-            g.values[rank] = value
-            if len(g.values) == size:
-                try:
-                    g.result = combine([g.values[r] for r in range(size)])
-                except Exception as err:  # every rank raises it, as MPI ranks would
-                    g.error = err
-                g.done.set()
-        waited = 0.0
-        if self.serial:
-            self.turn.release()
-        try:
-            while not g.done.wait(1.0) and self.failure is None and waited <= self.timeout:
-                waited += 1.0
-        finally:
-            if self.serial:
-                self.turn.acquire()
-        self._check(rank, waited)
-        with self._lock:
-            g.readers += 1
-            if g.readers == size:
-                del self._gatherings[key]
-        if g.error is not None:
-            raise g.error
-        return g.result
+    def work(self, num_steps: int | None = None) -> Workload:
+        n = self.num_steps if num_steps is None else num_steps
+        builder = {"w1": models.w1, "w2": models.w2}[self.workload]
+        work = replace(WORKLOADS[self.workload](), network=lambda: builder(num_steps=n))
+        if self.levels is None:
+            return work
+        relax = ("F",) + ("FCF",) * (self.levels - 2)
+        return replace(work, forward=replace(work.forward, levels=self.levels, relax=relax),
+                       backward=replace(work.backward, levels=self.levels, relax=relax))
 
 
-class _Done:
-    def wait(self) -> None:
+CURVES = {"w2": Case("w2", "w2", 1024, costed=False),
+          "w1-1024": Case("w1-1024", "w1", 1024, costed=True)}
+CHECKS = {"w2": CURVES["w2"], "w1": Case("w1", "w1", 32, costed=True)}
+
+
+# Building and running the model ----------------------------------------------------------
+
+def _setup(work: Workload, seed: int = 0
+           ) -> tuple[models.Network, list[nn.Module], Tensor, Tensor]:
+    """The network, its layers (built in serial order, as every rank would) and a batch."""
+    torch.manual_seed(seed)
+    net = work.network()
+    layers = [net.step() for _ in range(net.num_steps)]
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    return net, layers, x, y
+
+
+def _model(work: Workload, net: models.Network, layers: list[nn.Module], comm: Any
+           ) -> LayerParallel:
+    """A LayerParallel whose step factory hands out `layers` in order (so virtual ranks
+    share one set of initial weights instead of each drawing all of them again)."""
+    given = iter(layers)
+    return LayerParallel(lambda: next(given), net.num_steps, net.t_final, work.forward,
+                         work.backward, comm=comm, opening=copy.deepcopy(net.opening),
+                         closing=copy.deepcopy(net.closing))
+
+
+def _train_step(model: nn.Module, work: Workload, x: Tensor, y: Tensor,
+                tracer: Tracer | None = None) -> Callable[[], None]:
+    """One optimiser step; the tracer (if any) marks "forward" when the output is there."""
+    opt = work.optimizer(model.parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        out = model(x)
+        if tracer is not None:
+            tracer.mark("forward")
+        work.loss(out, y).backward()
+        opt.step()
+    return step
+
+
+def _inference(model: nn.Module, x: Tensor) -> Callable[[], None]:
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+    return forward
+
+
+class KernelCosts:
+    """Convolutions charged instead of computed, in virtual ranks that `attach` a tracer.
+
+    While the context is entered, `torch.nn.functional.conv2d` and
+    `torch.nn.grad.conv2d_weight` called from such a rank return a stand-in result at once
+    and charge the tracer the CPU time of the real call, from a table keyed by the call's
+    shapes whose entries are measured on first use (median of real calls). Any other caller,
+    and any call the table cannot shape, runs the real kernel.
+
+    The stand-in must not change what the solver does: a convolution that keeps its input's
+    shape returns half its input (so residuals stay nonzero, a zero-tolerance solve runs all
+    its cycles, and exactly the rows that would be nonzero are), other shapes zeros; weight
+    gradients are zeros.
+    """
+
+    def __init__(self, repeats: int = 3) -> None:
+        self.repeats = repeats
+        self.table: dict[tuple, float] = {}
+        self._local = threading.local()
+        self._real: dict[str, Callable[..., Tensor]] = {}
+
+    def attach(self, tracer: Tracer) -> None:
+        self._local.tracer = tracer
+
+    def __enter__(self) -> "KernelCosts":
+        self._real = {"conv2d": F.conv2d, "conv2d_weight": torch.nn.grad.conv2d_weight}
+        F.conv2d = self._conv2d
+        torch.nn.grad.conv2d_weight = self._conv2d_weight
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.conv2d = self._real["conv2d"]
+        torch.nn.grad.conv2d_weight = self._real["conv2d_weight"]
+
+    def _charge(self, key: tuple, real: Callable[[], Tensor], shape: tuple[int, ...],
+                like: Tensor) -> Tensor:
+        tracer: Tracer = self._local.tracer
+        tracer.enter()
+        if key not in self.table:
+            real()
+            self.table[key] = _cpu_median(real, self.repeats)
+        out = 0.5 * like if like.shape == shape else like.new_zeros(shape)
+        tracer.charge(self.table[key])
+        return out
+
+    def _conv2d(self, input: Tensor, weight: Tensor, bias: Tensor | None = None,
+                stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+                ) -> Tensor:
+        real = lambda: self._real["conv2d"](input, weight, bias, stride, padding,  # noqa: E731
+                                            dilation, groups)
+        shape = _conv_shape(input, weight, stride, padding, dilation)
+        if getattr(self._local, "tracer", None) is None or shape is None or groups != 1:
+            return real()
+        key = ("conv2d", tuple(input.shape), tuple(weight.shape), bias is not None,
+               str(stride), str(padding), str(dilation))
+        return self._charge(key, real, shape, input)
+
+    def _conv2d_weight(self, input: Tensor, weight_size: Any, grad_output: Tensor,
+                       stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+                       ) -> Tensor:
+        real = lambda: self._real["conv2d_weight"](  # noqa: E731
+            input, weight_size, grad_output, stride, padding, dilation, groups)
+        if getattr(self._local, "tracer", None) is None:
+            return real()
+        key = ("conv2d_weight", tuple(input.shape), tuple(weight_size), str(stride),
+               str(padding), str(dilation), groups)
+        return self._charge(key, real, tuple(weight_size), grad_output.new_zeros(0))
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"call": k[0], "shapes": [list(k[1]), list(k[2])], "seconds": v}
+                for k, v in self.table.items()]
+
+
+def _conv_shape(input: Tensor, weight: Tensor, stride: Any, padding: Any, dilation: Any
+                ) -> tuple[int, ...] | None:
+    """Output shape of a 2-D convolution, or None for a padding given by name other than
+    'same'/'valid' with stride 1."""
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    if padding == "same":
+        return (*input.shape[:-3], weight.shape[0], *input.shape[-2:])
+    pad = (0, 0) if padding == "valid" else pair(padding)
+    if isinstance(pad[0], str):
         return None
+    size = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, p, d, k, s in
+            zip(input.shape[-2:], pad, pair(dilation), weight.shape[-2:], pair(stride))]
+    return (*input.shape[:-3], weight.shape[0], *size)
 
 
-class _VirtualRecv:
-    __slots__ = ("world", "key", "rank", "buf", "done")
-
-    def __init__(self, world: VirtualWorld, key: tuple, rank: int, buf: Tensor) -> None:
-        self.world, self.key, self.rank, self.buf = world, key, rank, buf
-        self.done = False
-
-    def wait(self) -> None:
-        if not self.done:
-            self.buf.copy_(self.world.take(self.key, self.rank))
-            self.done = True
+def _cpu_median(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
 
 
-class VirtualComm:
-    """The `mgrit.comm.Comm` of one virtual rank. Messages are copied into mailboxes keyed
-    by (communicator, source, dest, tag, sequence number), so they match in MPI's order."""
+# Virtual ranks ---------------------------------------------------------------------------
 
-    def __init__(self, world: VirtualWorld, rank: int, name: str = "world") -> None:
-        self.world = world
-        self.rank = rank
-        self.size = world.size
-        self.name = name
-        self._sent: dict[tuple[int, int], int] = {}
-        self._posted: dict[tuple[int, int], int] = {}
-        self._collectives = 0
-        self._dups = 0
+def virtual_traces(case: Case, ranks: int, repeats: int = 3, warmup: int = 1,
+                   kernels: KernelCosts | None = None) -> list[list[list[Event]]]:
+    """Traces [repeat][rank] of training steps of `case` on `ranks` virtual ranks, after
+    `warmup` untraced steps; with `kernels`, convolutions are charged from its table."""
+    work = case.work()
+    net, layers, x, y = _setup(work)
 
-    def _next(self, counter: dict[tuple[int, int], int], peer: int, tag: int) -> int:
-        seq = counter.get((peer, tag), 0)
-        counter[(peer, tag)] = seq + 1
-        return seq
+    def program(comm: Comm) -> list[list[Event]]:
+        tracer = Tracer(time.thread_time)
+        if kernels is not None:
+            kernels.attach(tracer)
+        model = _model(work, net, layers, TracingComm(comm, tracer))
+        step = _train_step(model, work, x, y, tracer)
+        for _ in range(warmup):
+            step()
+        traces = []
+        for _ in range(repeats):
+            tracer.start()
+            step()
+            traces.append(tracer.stop())
+        return traces
 
-    def isend(self, buf: Tensor, dest: int, tag: int) -> Request:
-        seq = self._next(self._sent, dest, tag)
-        self.world.post((self.name, self.rank, dest, tag, seq), dest, buf.detach().clone())
-        return _Done()
-
-    def irecv(self, buf: Tensor, source: int, tag: int) -> Request:
-        seq = self._next(self._posted, source, tag)
-        return _VirtualRecv(self.world, (self.name, source, self.rank, tag, seq), self.rank, buf)
-
-    def _gather(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        key = (self.name, self._collectives)
-        self._collectives += 1
-        return self.world.gather(key, self.rank, self.size, value, combine)
-
-    def allreduce_sum(self, value: float) -> float:
-        return self._gather(float(value), sum)
-
-    def allreduce_sum_(self, buf: Tensor) -> None:
-        buf.copy_(self._gather(buf.detach().clone(), lambda values: sum(values[1:], values[0])))
-
-    def bcast_(self, buf: Tensor, root: int) -> None:
-        value = buf.detach().clone() if self.rank == root else None
-        result = self._gather(value, lambda values: values[root])
-        if self.rank != root:
-            buf.copy_(result)
-
-    def agree(self, what: str, value: Any) -> None:
-        def check(values: list[Any]) -> None:
-            differing = [r for r, v in enumerate(values) if v != values[0]]
-            if differing:
-                raise ValueError(f"{what} differ between ranks (rank 0: {values[0]!r}; rank "
-                                 f"{differing[0]}: {values[differing[0]]!r})")
-        self._gather(value, check)
-
-    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
-        values = self._gather(obj, list)
-        return values if self.rank == root else None
-
-    def dup(self) -> "VirtualComm":
-        self._dups += 1
-        return VirtualComm(self.world, self.rank, f"{self.name}.{self._dups}")
+    if kernels is None:
+        by_rank = run_ranks(ranks, program)
+    else:
+        with kernels:
+            by_rank = run_ranks(ranks, program)
+    return [[by_rank[r][k] for r in range(ranks)] for k in range(repeats)]
 
 
-def run_ranks(size: int, program: Callable[[VirtualComm], T], timeout: float = 600.0,
-              serial: bool = True) -> list[T]:
-    """Run `program(comm)` for `size` virtual ranks, one thread each; their results in rank
-    order. An exception on any rank stops every rank and is raised here."""
-    world = VirtualWorld(size, timeout, serial)
-    results: list[Any] = [None] * size
+def virtual_solve_traces(ranks: int, repeats: int = 3) -> list[list[list[Event]]]:
+    """Traces [repeat][rank] of W0's distributed solve on virtual ranks."""
+    case = w0_case()
 
-    def main(rank: int) -> None:
-        if serial:
-            world.turn.acquire()
-        try:
-            results[rank] = program(VirtualComm(world, rank))
-        except BaseException as err:  # handed to the caller below
-            world.fail(rank, err)
-        finally:
-            if serial:
-                world.turn.release()
+    def program(comm: Comm) -> list[list[Event]]:
+        tracer = Tracer(time.thread_time)
+        traced = TracingComm(comm, tracer)
+        run = lambda: solve(case.prop, case.u0, case.num_steps, case.t0, case.t1,  # noqa: E731
+                            case.config, comm=traced)
+        run()
+        traces = []
+        for _ in range(repeats):
+            tracer.start()
+            run()
+            traces.append(tracer.stop())
+        return traces
 
+    by_rank = run_ranks(ranks, program)
+    return [[by_rank[r][k] for r in range(ranks)] for k in range(repeats)]
+
+
+def predict(traces: list[list[list[Event]]], network: Network) -> dict[str, Any]:
+    """Median over repeats of the replayed step time and of the "forward" mark, with the
+    critical path of the median repeat."""
+    preds = sorted((replay(t, network) for t in traces), key=lambda p: p.total)
+    middle: Prediction = preds[len(preds) // 2]
+    out = {"seconds": middle.total, "critical": middle.critical,
+           "busy_mean": statistics.fmean(middle.busy)}
+    if "forward" in middle.marks:
+        out["forward_seconds"] = statistics.median(p.marks["forward"] for p in preds)
+    return out
+
+
+# Serial PyTorch and layer-wise model parallelism -------------------------------------------
+
+def serial_costs(case: Case, depths: tuple[int, int], repeats: int = 3) -> dict[str, Any]:
+    """Per-layer and fixed CPU seconds of serial PyTorch's training step phases (forward,
+    backward, zero_grad + optimizer update) and of a no-grad forward, from timing the plain
+    network at two depths: cost(n) = fixed + n * per_layer."""
+    phases = {}
+    for n in depths:
+        work = case.work(n)
+        torch.manual_seed(0)
+        net = work.network()
+        model = serial_resnet(net.step, net.num_steps, net.t_final, net.opening, net.closing)
+        x, y = work.inputs(torch.Generator().manual_seed(1))
+        opt = work.optimizer(model.parameters())
+        times: dict[str, list[float]] = {"forward": [], "backward": [], "update": []}
+        for k in range(repeats + 1):
+            t0 = time.thread_time()
+            opt.zero_grad()
+            t1 = time.thread_time()
+            loss = work.loss(model(x), y)
+            t2 = time.thread_time()
+            loss.backward()
+            t3 = time.thread_time()
+            opt.step()
+            t4 = time.thread_time()
+            if k:
+                times["forward"].append(t2 - t1)
+                times["backward"].append(t3 - t2)
+                times["update"].append(t1 - t0 + t4 - t3)
+        phases[n] = {k: statistics.median(v) for k, v in times.items()}
+        phases[n]["inference"] = _cpu_median(_inference(model, x), repeats)
+    n1, n2 = depths
+    costs: dict[str, Any] = {"depths": list(depths)}
+    for phase in ("forward", "backward", "update", "inference"):
+        per_layer = (phases[n2][phase] - phases[n1][phase]) / (n2 - n1)
+        costs[phase] = {"per_layer": per_layer,
+                        "fixed": max(phases[n1][phase] - n1 * per_layer, 0.0)}
+    state = net.opening(x) if net.opening is not None else x
+    costs["state_bytes"] = state.numel() * state.element_size()
+    return costs
+
+
+def serial_seconds(costs: dict[str, Any], num_steps: int, phases: tuple[str, ...]) -> float:
+    return sum(costs[p]["fixed"] + num_steps * costs[p]["per_layer"] for p in phases)
+
+
+def layerwise_traces(costs: dict[str, Any], num_steps: int, ranks: int, train: bool
+                     ) -> list[list[Event]]:
+    """Layer-wise model parallelism: contiguous blocks of layers, rank p computing its block
+    after receiving rank p-1's output (and, training, its gradient part after rank p+1's
+    gradient, then updating its own layers). Fixed costs (opening, closing, loss) go to the
+    last rank. A no-grad forward (`train=False`) uses the inference costs."""
+    size = costs["state_bytes"]
+    base, extra = divmod(num_steps, ranks)
+    traces = []
+    for p in range(ranks):
+        n = base + (1 if p < extra else 0)
+        last = p == ranks - 1
+        fwd = costs["forward" if train else "inference"]
+        events: list[Event] = []
+        if p > 0:
+            events.append(["wait", p - 1, "activation", 0])
+        events.append(["compute", n * fwd["per_layer"] + (fwd["fixed"] if last else 0.0)])
+        if not last:
+            events.append(["send", p + 1, size, "activation", 0])
+        if train:
+            bwd, upd = costs["backward"], costs["update"]
+            if not last:
+                events.append(["wait", p + 1, "gradient", 0])
+            events.append(["compute", n * bwd["per_layer"] + (bwd["fixed"] if last else 0.0)])
+            if p > 0:
+                events.append(["send", p - 1, size, "gradient", 0])
+            events.append(["compute", n * upd["per_layer"] + (upd["fixed"] if last else 0.0)])
+        traces.append(events)
+    return traces
+
+
+# Real MPI runs: measured times and traces (1 and 2 ranks) -----------------------------------
+
+def ping_pong(comm: Comm, sizes: tuple[int, int] = (8, 1 << 20), rounds: int = 400
+              ) -> dict[str, float]:
+    """Network parameters between ranks 0 and 1 from half round trips of a small and a
+    large message: overhead (CPU time of posting a send), latency, bandwidth."""
+    half, posting = {}, []
+    for n in sizes:
+        buf = torch.zeros(n, dtype=torch.uint8)
+        count = rounds if n < (1 << 16) else rounds // 8
+        for timed in (False, True):
+            start = time.perf_counter()
+            for _ in range(count):
+                if comm.rank == 0:
+                    t = time.perf_counter()
+                    req = comm.isend(buf, 1, 7)
+                    posting.append(time.perf_counter() - t)
+                    req.wait()
+                    comm.irecv(buf, 1, 7).wait()
+                elif comm.rank == 1:
+                    comm.irecv(buf, 0, 7).wait()
+                    comm.isend(buf, 0, 7).wait()
+            if timed:
+                half[n] = (time.perf_counter() - start) / (2 * count)
+    small, large = sizes
+    overhead = statistics.median(posting) if posting else 0.0
+    return {"overhead": overhead, "latency": max(half[small] - overhead, 0.0),
+            "bandwidth": (large - small) / max(half[large] - half[small], 1e-12),
+            "half_round_trip_small": half[small], "half_round_trip_large": half[large]}
+
+
+def _measured_and_traced(world: Any, plain: Callable[[], Any], traced: Callable[[], Any],
+                         tracer: Tracer, repeats: int) -> dict[str, Any]:
+    """Alternately a timed plain run (from a barrier to the last rank's end) and a traced
+    run, `repeats` times after a first round that warms both up."""
+    from mpi4py import MPI
+
+    times, traces = [], []
+    for k in range(repeats + 1):
+        world.Barrier()
+        start = time.perf_counter()
+        plain()
+        elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        world.Barrier()
+        tracer.start()
+        traced()
+        trace = tracer.stop()
+        if k:
+            times.append(elapsed)
+            traces.append(trace)
+    gathered = world.gather(traces, root=0)
+    return {"measured": times,
+            "traces": None if gathered is None else
+            [[gathered[r][k] for r in range(world.size)] for k in range(repeats)]}
+
+
+def validation_record(cases: tuple[str, ...] = ("w0", "w2", "w1"), repeats: int = 5
+                      ) -> dict[str, Any] | None:
+    """Under mpiexec (1 or 2 ranks): measured times and wall-clock traces of W0's solve and
+    of training steps and no-grad forwards of CHECKS; a ping-pong on 2 ranks. The whole
+    record on rank 0, None elsewhere."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
     torch.set_num_threads(1)
-    threads = [threading.Thread(target=main, args=(r,), name=f"virtual-rank-{r}", daemon=True)
-               for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if world.failure is not None:
-        rank, err = world.failure
-        err.add_note(f"mgrit.scaling: raised on virtual rank {rank} of {size}")
-        raise err
-    return results
+    tracer = Tracer()
+    traced_comm = TracingComm(MPIComm(world), tracer)
+    record: dict[str, Any] = {"ranks": world.size}
+    if world.size == 2:
+        record["ping_pong"] = ping_pong(MPIComm(world))
+    for name in cases:
+        if name == "w0":
+            c = w0_case()
+            run = lambda comm: (lambda: solve(c.prop, c.u0, c.num_steps, c.t0, c.t1,  # noqa: E731
+                                              c.config, comm=comm))
+            record[name] = {"solve": _measured_and_traced(world, run(world), run(traced_comm),
+                                                          tracer, repeats)}
+            continue
+        work = CHECKS[name].work()
+        net, layers, x, y = _setup(work)
+        plain = _model(work, net, layers, world)
+        traced = _model(work, net, layers, traced_comm)
+        record[name] = {
+            "train": _measured_and_traced(world, _train_step(plain, work, x, y),
+                                          _train_step(traced, work, x, y), tracer, repeats),
+            "forward": _measured_and_traced(world, _inference(plain, x), _inference(traced, x),
+                                            tracer, repeats)}
+    return record if world.rank == 0 else None
+
+
+def validation_worker(out: str) -> None:
+    """Entry for `mpiexec -n P python -m mpi4py -c ...`: rank 0 writes the record to `out`."""
+    record = validation_record()
+    if record is not None:
+        Path(out).write_text(json.dumps(record))
+
+
+def _launch_validation(ranks: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "record.json"
+        code = f"from mgrit.scaling import validation_worker; validation_worker({str(out)!r})"
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-c", code]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+        return json.loads(out.read_text())
+
+
+def network_from(ping: dict[str, float]) -> Network:
+    return Network(latency=ping["latency"], bandwidth=ping["bandwidth"],
+                   overhead=ping["overhead"])
+
+
+def compare(record: dict[str, Any], network: Network) -> list[dict[str, Any]]:
+    """Measured (median) against predicted from the record's own traces (median of the
+    replays), for every case and metric of a validation record."""
+    rows = []
+    for name, metrics in record.items():
+        if not isinstance(metrics, dict) or name == "ping_pong":
+            continue
+        for metric, data in metrics.items():
+            measured = statistics.median(data["measured"])
+            predicted = statistics.median(replay(t, network).total for t in data["traces"])
+            rows.append({"case": name, "metric": metric, "ranks": record["ranks"],
+                         "measured": measured, "predicted_from_mpi_traces": predicted,
+                         "error": predicted / measured - 1.0})
+    return rows
+
+
+def virtual_checks(records: dict[int, dict[str, Any]], network: Network,
+                   kernels: KernelCosts) -> list[dict[str, Any]]:
+    """The virtual-rank model against the measured times of the validation records."""
+    rows = []
+    for ranks, record in records.items():
+        for name in ("w0", *CHECKS):
+            if name == "w0":
+                pred = predict(virtual_solve_traces(ranks), network)
+                pairs = [("solve", pred["seconds"])]
+            else:
+                case = CHECKS[name]
+                pred = predict(virtual_traces(case, ranks,
+                                              kernels=kernels if case.costed else None), network)
+                pairs = [("train", pred["seconds"]), ("forward", pred["forward_seconds"])]
+            for metric, predicted in pairs:
+                measured = statistics.median(record[name][metric]["measured"])
+                rows.append({"case": name, "metric": metric, "ranks": ranks,
+                             "predicted_virtual": predicted,
+                             "virtual_error": predicted / measured - 1.0})
+    return rows
+
+
+def curve(case: Case, ranks: list[int], networks: dict[str, Network], serial: dict[str, Any],
+          kernels: KernelCosts) -> list[dict[str, Any]]:
+    """Predicted MGRIT, serial and layer-wise model-parallel times of one case per rank
+    count and network, with the speedups."""
+    n = case.num_steps
+    serial_train = serial_seconds(serial, n, ("forward", "backward", "update"))
+    serial_forward = serial_seconds(serial, n, ("inference",))
+    rows = []
+    for p in ranks:
+        start = time.perf_counter()
+        traces = virtual_traces(case, p, kernels=kernels if case.costed else None)
+        for label, network in networks.items():
+            pred = predict(traces, network)
+            mp_train = replay(layerwise_traces(serial, n, p, train=True), network).total
+            mp_forward = replay(layerwise_traces(serial, n, p, train=False), network).total
+            rows.append({
+                "case": case.name, "network": label, "ranks": p,
+                "mgrit_train": pred["seconds"], "mgrit_forward": pred["forward_seconds"],
+                "serial_train": serial_train, "serial_forward": serial_forward,
+                "layerwise_train": mp_train, "layerwise_forward": mp_forward,
+                "speedup_vs_serial": serial_train / pred["seconds"],
+                "speedup_vs_layerwise": mp_train / pred["seconds"],
+                "forward_speedup_vs_serial": serial_forward / pred["forward_seconds"],
+                "forward_speedup_vs_layerwise": mp_forward / pred["forward_seconds"],
+                "busy_mean": pred["busy_mean"], "critical": pred["critical"]})
+        log.info("%s, %d ranks: %.2f ms per training step (%.0f s)", case.name, p,
+                 rows[-1]["mgrit_train"] * 1e3, time.perf_counter() - start)
+    return rows
+
+
+# The study ---------------------------------------------------------------------------------
+
+def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 256)
+          ) -> dict[str, Any]:
+    """Everything docs/scaling.md reports: validation on 1 and 2 MPI ranks, the measured
+    network, serial costs, the predicted curves and hierarchy-depth variants of W2."""
+    torch.set_num_threads(1)
+    ranks = [1, *RANKS] if ranks is None else ranks
+    log.info("validation: measured and traced runs on 1 and 2 MPI ranks")
+    records = {p: _launch_validation(p) for p in (1, 2)}
+    shared = network_from(records[2]["ping_pong"])
+    cluster = Network(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, shared.overhead)
+    networks = {"cluster": cluster, "shared memory": shared}
+    kernels = KernelCosts()
+    rows = compare(records[1], shared) + compare(records[2], shared)
+    virtual = {(r["case"], r["metric"], r["ranks"]): r
+               for r in virtual_checks(records, shared, kernels)}
+    for row in rows:
+        row.update(virtual[(row["case"], row["metric"], row["ranks"])])
+    log.info("serial PyTorch costs")
+    serial = {"w2": serial_costs(CURVES["w2"], (256, 1024)),
+              "w1-1024": serial_costs(CURVES["w1-1024"], (64, 128))}
+    curves = []
+    for name, case in CURVES.items():
+        curves += curve(case, ranks, networks, serial[name], kernels)
+    variants = []
+    for levels in (4, 5):
+        case = replace(CURVES["w2"], name=f"w2-levels{levels}", levels=levels)
+        variants += curve(case, list(variant_ranks), {"cluster": cluster}, serial["w2"], kernels)
+    return {"networks": {k: vars(v) for k, v in networks.items()},
+            "ping_pong": records[2]["ping_pong"], "validation": rows,
+            "kernel_costs": kernels.describe(), "serial_costs": serial,
+            "curves": curves, "variants": variants,
+            "literature_speedup_vs_layerwise": LITERATURE_SPEEDUP,
+            "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Predicted speedups of a training step against P, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(11, 4.2), sharey=True)
+    for ax, name in zip(axes, CURVES):
+        for network, style in (("cluster", "-"), ("shared memory", ":")):
+            rows = [r for r in result["curves"] if r["case"] == name and r["network"] == network]
+            p = [r["ranks"] for r in rows]
+            ax.plot(p, [r["speedup_vs_layerwise"] for r in rows], style, marker="o", ms=3,
+                    color="C0", label=f"vs layer-wise model parallel ({network})")
+            ax.plot(p, [r["speedup_vs_serial"] for r in rows], style, marker="s", ms=3,
+                    color="C1", label=f"vs serial PyTorch ({network})")
+        ax.axhline(LITERATURE_SPEEDUP, color="C3", lw=1, ls="--",
+                   label="10.2x reported over layer-wise MP (GPUs)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks P (one core each)")
+        ax.set_title(f"{name.upper()}: predicted training-step speedup")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("speedup")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    print("validation (seconds; error = predicted / measured - 1)")
+    print(f"{'case':>6} {'metric':>8} {'P':>2} {'measured':>9} {'from MPI traces':>15} "
+          f"{'error':>7} {'virtual ranks':>13} {'error':>7}")
+    for r in result["validation"]:
+        print(f"{r['case']:>6} {r['metric']:>8} {r['ranks']:>2} {r['measured']:9.4f} "
+              f"{r['predicted_from_mpi_traces']:15.4f} {r['error']:+7.1%} "
+              f"{r['predicted_virtual']:13.4f} {r['virtual_error']:+7.1%}")
+    for name in (*CURVES, "variants"):
+        rows = ([r for r in result["curves"] if r["case"] == name and r["network"] == "cluster"]
+                if name != "variants" else result["variants"])
+        print(f"\n{name}: predicted, cluster network (ms; speedups of a training step / of "
+              "a forward pass)")
+        print(f"{'case':>10} {'P':>5} {'MGRIT':>9} {'layer-wise':>10} {'serial':>9} "
+              f"{'vs layer-wise':>13} {'vs serial':>9} {'fwd vs lw':>9} {'fwd vs serial':>13}")
+        for r in rows:
+            print(f"{r['case']:>10} {r['ranks']:>5} {r['mgrit_train'] * 1e3:9.2f} "
+                  f"{r['layerwise_train'] * 1e3:10.2f} {r['serial_train'] * 1e3:9.2f} "
+                  f"{r['speedup_vs_layerwise']:13.2f} {r['speedup_vs_serial']:9.2f} "
+                  f"{r['forward_speedup_vs_layerwise']:9.2f} "
+                  f"{r['forward_speedup_vs_serial']:13.2f}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m mgrit.scaling OUT_DIR")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    result = study()
+    (out / "scaling.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "scaling.png")
+    print_tables(result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
