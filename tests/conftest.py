@@ -19,11 +19,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def config():
-    return mgrit.Config
-
-
 MPI_SCRIPTS = Path(__file__).parent / "mpi"
 
 
