@@ -134,7 +134,7 @@ class Solver:
     def _check_step(self, u0: Tensor) -> None:
         """One fine step on u0 (the first step this rank takes) must keep shape and dtype."""
         fine = self.levels[0]
-        if fine.empty:
+        if fine.empty or fine.last == 0:   # no point, or point 0 alone: this rank takes no step
             return
         out = self.prop.step(u0, fine.step(max(fine.first - 1, 0)))
         if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:

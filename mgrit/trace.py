@@ -64,6 +64,8 @@ class Tracer:
         return self.events
 
     def _compute(self, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
         if self.events and self.events[-1][0] == "compute":
             self.events[-1][1] += seconds
         else:

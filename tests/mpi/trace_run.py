@@ -1,0 +1,20 @@
+"""Measured and traced runs for tests/test_trace.py: W0's distributed solve and W2's training
+step and no-grad forward on this launch's ranks, and a ping-pong on 2 ranks.
+
+Rank 0 reports the whole record (measured times, every rank's traces); the others report
+that they finished.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]
+from mgrit.scaling import validation_record  # noqa: E402
+from reporting import report  # noqa: E402
+
+torch.set_num_threads(1)
+record = validation_record(cases=("w0", "w2"), repeats=int(sys.argv[1]))
+report(MPI.COMM_WORLD.rank, record=record)
