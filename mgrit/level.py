@@ -92,6 +92,10 @@ class Level:
         if req is not None:
             req.wait()
 
+    def touched(self) -> None:
+        """u changed: results computed from an earlier version are stale."""
+        self.version += 1
+
     def changed(self, c_phase: bool) -> None:
         """End of a phase that changed u (its C-points or F-points): count a new version and
         send the last point to the next rank if this phase changed it."""

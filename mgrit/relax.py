@@ -5,7 +5,8 @@ level 0). F-relaxation advances every coarse interval from its C-point
 through its F-points: the m-1 sub-steps each go over all of the rank's
 intervals in one executor call. An interval whose C-point lies on an earlier
 rank (the rank's leading F-points) is marched step by step once the previous
-rank's last point has arrived.
+rank's last point has arrived; the rank's own last point is sent on before that
+wait, so a run of such ranks does not become a chain.
 """
 
 from __future__ import annotations
@@ -43,9 +44,18 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
             out = executor.advance(prop, src, level.batch(first_c + k - 1, m, count))
             dst = level.rows(first_c + k, m, count)
             u[dst] = out if g is None else g[dst] + out
-    if level.first < first_c:
+    leading = level.first < first_c        # F-points of an interval begun on an earlier rank
+    if leading and first_c <= level.last:
+        # the last point closes one of this rank's own intervals and is final already: pass
+        # it on before waiting for the ghost, or the ranks would wait for each other in turn
+        level.changed(c_phase=False)
         level.wait_ghost()
-        march(level, prop, level.first, min(first_c - 1, level.last))
+        march(level, prop, level.first, first_c - 1)
+        level.touched()
+        return
+    if leading:
+        level.wait_ghost()
+        march(level, prop, level.first, level.last)
     level.changed(c_phase=False)
 
 
