@@ -4,6 +4,8 @@
     mgrit compare [--config FILE] [flags] --ranks P
     mgrit bench WORKLOAD... [--ranks 1,2] [--json FILE]
     mgrit demo                                   the heat equation, parallel in time
+    mgrit replay TRACE [--latency S] [--bandwidth B/s] [--overhead S]
+                                                 predicted step times of a recorded trace
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ SHORTCUTS = {
     "batch_size": ("training", "batch_size"), "optimizer": ("training", "optimizer"),
     "lr": ("training", "lr"), "seed": ("training", "seed"),
     "data_parallel": ("training", "data_parallel"), "out": ("output", "dir"),
+    "trace": ("output", "trace"),
 }
 TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size": int,
-         "seed": int, "data_parallel": int, "lr": float, "t_final": float}
+         "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int}
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +111,29 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    from .trace import Network, load_traces, replay, step_spans
+
+    traces, meta = load_traces(args.trace)
+    network = Network(args.latency, args.bandwidth, args.overhead)
+    pred = replay(traces, network)
+    spans = step_spans(pred)
+    measured = meta.get("step_seconds", [])
+    print(f"{args.trace}: {len(traces)} ranks, {len(spans)} traced training steps; network "
+          f"latency {network.latency:.2e} s, bandwidth {network.bandwidth:.2e} B/s, "
+          f"overhead {network.overhead:.2e} s per message")
+    print(f"{'step':>5} {'predicted':>10} {'measured':>10}")
+    for k, seconds in enumerate(spans):
+        m = f"{measured[k] * 1e3:8.2f}ms" if k < len(measured) else f"{'-':>10}"
+        print(f"{k + 1:>5} {seconds * 1e3:8.2f}ms {m}")
+    crit = pred.critical
+    print(f"over all traced steps: {pred.total * 1e3:.2f} ms; compute per rank mean "
+          f"{sum(pred.busy) / len(pred.busy) * 1e3:.2f} ms, max {max(pred.busy) * 1e3:.2f} ms; "
+          f"critical path {crit['compute'] * 1e3:.2f} ms compute, "
+          f"{crit['communication'] * 1e3:.2f} ms communication, {crit['hops']} message hops")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mgrit", description="Multigrid reduction in time "
                                      "for time stepping and layer-parallel ResNet training.")
@@ -124,8 +150,18 @@ def main(argv: list[str] | None = None) -> int:
                      "convergence on Dahlquist, heat and the trained network's layers")
     bench.add_arguments(sub.add_parser("bench", help="run benchmark workloads"))
     demo.add_arguments(sub.add_parser("demo", help="parallel-in-time heat equation solve"))
+    rep = sub.add_parser("replay", help="replay a trace recorded by `mgrit train --trace K` "
+                         "on a modelled network: predicted time per step")
+    rep.add_argument("trace", help="trace file (OUT/trace.json)")
+    rep.add_argument("--latency", type=float, default=5e-6, help="seconds per message hop "
+                     "(default 5e-6, an InfiniBand-class cluster)")
+    rep.add_argument("--bandwidth", type=float, default=1e10, help="bytes per second "
+                     "(default 1e10)")
+    rep.add_argument("--overhead", type=float, default=1e-6, help="sender's seconds per "
+                     "message (default 1e-6)")
     args = parser.parse_args(argv)
-    handlers = {"train": run_train, "compare": run_compare, "bench": bench.run, "demo": demo.run}
+    handlers = {"train": run_train, "compare": run_compare, "bench": bench.run,
+                "demo": demo.run, "replay": run_replay}
     try:
         return handlers[args.command](args)
     except (SettingsError, DataError, OSError, ValueError, TypeError, ImportError) as err:

@@ -61,6 +61,7 @@ class OutputSettings:
     export: bool = True             # write the exported serial model at the end
     progress: bool = True           # progress bar on rank 0
     verbose: bool = False           # every rank logs its own progress
+    trace: int = 0                  # record this many training steps to OUT/trace.json
 
 
 SOLVER_DEFAULTS = {
@@ -136,6 +137,8 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must be >= 1, got {value}")
     if (section, key) == ("data", "test_fraction") and not 0 < value < 1:
         raise SettingsError(f"{where} must lie in (0, 1), got {value}")
+    if (section, key) == ("output", "trace") and value < 0:
+        raise SettingsError(f"{where} must be >= 0 (training steps to trace), got {value}")
     if (section, key) == ("training", "lr") and not value > 0:
         raise SettingsError(f"{where} must be > 0, got {value}")
     return value

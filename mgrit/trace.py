@@ -584,6 +584,16 @@ def replay(traces: list[list[Event]], network: Network, compute_scale: float = 1
                                 "hops": hops})
 
 
+def step_spans(pred: Prediction, prefix: str = "step") -> list[float]:
+    """Predicted time of each step of a trace whose ranks mark the end of step k with
+    `{prefix}{k}` (k = 1, 2, ...): the time between consecutive marks, the first from the
+    start of the trace."""
+    ends: list[float] = []
+    while f"{prefix}{len(ends) + 1}" in pred.marks:
+        ends.append(pred.marks[f"{prefix}{len(ends) + 1}"])
+    return [end - begin for begin, end in zip([0.0, *ends], ends)]
+
+
 # Files ------------------------------------------------------------------------------------
 
 def save_traces(path: str | Path, traces: list[list[Event]], **meta: Any) -> None:

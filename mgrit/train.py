@@ -144,14 +144,32 @@ class Run:
         if t.batch_size % t.data_parallel:
             raise SettingsError(f"[training] batch_size = {t.batch_size} must be a multiple of "
                                 f"data_parallel = {t.data_parallel}")
+        trace = settings.output.trace
+        if trace and (t.serial or t.data_parallel > 1):
+            raise SettingsError(f"[output] trace = {trace}: traces record layer-parallel "
+                                "training without data parallelism (training.serial = false, "
+                                "training.data_parallel = 1)")
         self.split = datasets.load(settings.data.name, settings.data.root,
                                    settings.data.download, settings.data.test_fraction,
                                    settings.data.samples, seed=0)
+        steps = len(self.split.x_train) // t.batch_size
+        if trace >= steps:
+            raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
+                                "at most steps - 1 are traced (the first step is a warm-up)")
         self.layer_comm = self.data_comm = None
         if world is not None and not t.serial:
             from .comm import split_world
 
             self.layer_comm, self.data_comm = split_world(world, self.size // t.data_parallel)
+        self.tracer = None
+        comm: Any = self.layer_comm
+        if trace:
+            from .comm import MPIComm, SerialComm
+            from .trace import Tracer, TracingComm
+
+            self.tracer = Tracer()
+            comm = TracingComm(MPIComm(comm) if comm is not None else SerialComm(), self.tracer)
+        self.traced_steps: list[float] = []
         torch.manual_seed(t.seed)
         net = network_for(settings, self.split)
         if t.serial:
@@ -160,7 +178,7 @@ class Run:
         else:
             self.model = LayerParallel(net.step, net.num_steps, net.t_final,
                                        settings.solver("forward"), settings.solver("backward"),
-                                       comm=self.layer_comm, opening=net.opening,
+                                       comm=comm, opening=net.opening,
                                        closing=net.closing,
                                        data_comm=self.data_comm if t.data_parallel > 1 else None)
         self.optimizer = make_optimizer(settings, self.model.parameters())
@@ -317,13 +335,18 @@ class Run:
         for step, (xb, yb) in enumerate(batches(self.split.x_train, self.split.y_train,
                                                 t.batch_size, self.generator), 1):
             xb, yb = self._batch_part(xb, yb)
+            tracing = self._trace_step(epoch, step)
             t0 = time.perf_counter()
             self.optimizer.zero_grad()
             out = self.model(xb)
             loss = self.loss_fn(out, yb)
+            if tracing:
+                self.tracer.mark(f"forward{step - 1}")
             loss.backward()
             self.optimizer.step()
             seconds = time.perf_counter() - t0
+            if tracing:
+                self._traced(step - 1, seconds)
             value = self._mean(float(loss.detach()))
             correct += int((out.detach().argmax(1) == yb).sum())
             seen += len(yb)
@@ -354,6 +377,33 @@ class Run:
         progress.close(f"loss {record['train_loss']:.4f} test acc {test_acc * 100:.2f}% "
                        f"{record['seconds_per_step'] * 1e3:.1f} ms/step")
         return record
+
+    # tracing (output.trace = K: steps 2..K+1 of the first epoch) -------------------------
+    def _trace_step(self, epoch: int, step: int) -> bool:
+        """Whether this step is traced; the tracer starts at the first traced step."""
+        k = self.settings.output.trace
+        if self.tracer is None or epoch != self.start_epoch or not 2 <= step <= k + 1:
+            return False
+        if step == 2:
+            self.tracer.start()
+        return True
+
+    def _traced(self, k: int, seconds: float) -> None:
+        """Traced step k done: mark it; after the last, gather every rank's trace and write
+        OUT/trace.json on rank 0 (write, then rename)."""
+        from .trace import save_traces
+
+        self.tracer.mark(f"step{k}")
+        self.traced_steps.append(seconds)
+        if k < self.settings.output.trace:
+            return
+        events = self.tracer.stop()
+        traces = self.world.gather(events, root=0) if self.world is not None else [events]
+        if self.rank == 0:
+            tmp = self.out / ".trace.json.tmp"
+            save_traces(tmp, traces, ranks=self.size, clock="wall", first_step=2,
+                        step_seconds=self.traced_steps, settings=self.settings.as_dict())
+            tmp.replace(self.out / "trace.json")
 
     def _export(self) -> None:
         plain = (self.model.to_serial() if isinstance(self.model, LayerParallel)

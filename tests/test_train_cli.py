@@ -12,6 +12,7 @@ import torch
 
 from mgrit import data
 from mgrit.settings import SettingsError, load, parse_override
+from mgrit.trace import Network, load_traces, replay, step_spans
 
 from conftest import mpiexec_path
 
@@ -59,6 +60,7 @@ def test_settings_from_toml_yaml_and_overrides(tmp_path):
     ('[training]\nlr = "fast"\n', "[training] lr must be a number"),
     ('[forward]\nrelax = "CF"\n', "[forward] relax='CF' is not valid"),
     ("[forward]\nlevles = 3\n", "unknown key 'levles' in [forward]; valid keys: levels"),
+    ("[output]\ntrace = -1\n", "[output] trace must be >= 0"),
 ])
 def test_bad_settings_are_named(tmp_path, content, words):
     path = tmp_path / "bad.toml"
@@ -82,6 +84,17 @@ def test_unwritable_output_directory_fails_before_training(tmp_path):
     assert proc.returncode == 2
     assert f"output directory {blocker / 'out'} cannot be written" in proc.stderr
     assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--serial", "--trace", "2"], "[output] trace = 2: traces record layer-parallel training"),
+    (["--trace", "39"], "[output] trace = 39: the first epoch has 39 steps; at most steps - 1"),
+])
+def test_impossible_trace_settings_fail_before_any_file(tmp_path, flags, words):
+    proc = mgrit("train", *TINY, *flags, "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2
+    assert words in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_missing_optional_dependency_is_a_clear_error(tmp_path):
@@ -142,6 +155,38 @@ def test_train_writes_metrics_checkpoints_and_export(tmp_path, ranks):
         correct = int((model(split.x_test).argmax(1) == split.y_test).sum())
     assert correct == round(epochs[-1]["test_accuracy"] * len(split.y_test))
     assert f"test accuracy {epochs[-1]['test_accuracy'] * 100:.2f}%" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_trace_records_steps_that_replay_near_their_measured_times(tmp_path):
+    """A traced run trains exactly like an untraced one; its trace holds every rank's
+    compute, messages and collectives, replays to completion, and on a network like this
+    machine's predicts the traced steps' measured time."""
+    plain, traced = tmp_path / "plain", tmp_path / "traced"
+    one = ["--epochs", "1", "--no-checkpoint"]
+    mgrit("train", *TINY, *one, "--out", str(plain), ranks=2)
+    mgrit("train", *TINY, *one, "--trace", "4", "--out", str(traced), ranks=2)
+    losses = [[r["loss"] for r in records(out) if r["type"] == "step"] for out in (plain, traced)]
+    assert losses[0] == losses[1] and len(losses[0]) == 1258 // 32
+    traces, meta = load_traces(traced / "trace.json")
+    assert len(traces) == 2 and meta["ranks"] == 2 and meta["first_step"] == 2
+    assert {"compute", "send", "wait", "collective", "mark"} <= {e[0] for t in traces for e in t}
+    pred = replay(traces, Network(latency=1e-6, bandwidth=5e9, overhead=1e-6))
+    spans = step_spans(pred)
+    assert len(spans) == len(meta["step_seconds"]) == 4 and min(spans) > 0
+    assert 0.6 < sum(spans) / sum(meta["step_seconds"]) < 1.4
+    proc = mgrit("replay", str(traced / "trace.json"), "--latency", "1e-6")
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in
+            (["1"], ["2"], ["3"], ["4"])]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4"]
+    assert [r[2] for r in rows] == [f"{m * 1e3:.2f}ms" for m in meta["step_seconds"]]
+
+
+def test_replay_of_a_file_that_is_no_trace_is_a_clear_error(tmp_path):
+    path = tmp_path / "metrics.json"
+    path.write_text('{"loss": 1.0}')
+    proc = mgrit("replay", str(path), check=False)
+    assert proc.returncode == 2 and "is not a trace file of format 1" in proc.stderr
 
 
 @pytest.mark.mpi
