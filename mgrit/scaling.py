@@ -624,6 +624,20 @@ def fastest_serial(runs: list[dict[str, Any]], num_steps: int) -> dict[str, Any]
 
 # The study ---------------------------------------------------------------------------------
 
+def validation() -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The ping-pong of 2 MPI ranks, and per case, metric and rank count (1, 2) the measured
+    time against the replays of the MPI runs' own traces and of virtual-rank traces, on the
+    network the ping-pong measured."""
+    log.info("validation: measured and traced runs on 1 and 2 MPI ranks")
+    records = {p: _launch_validation(p) for p in (1, 2)}
+    network = network_from(records[2]["ping_pong"])
+    rows = compare(records[1], network) + compare(records[2], network)
+    virtual = {(r["case"], r["metric"], r["ranks"]): r for r in virtual_checks(records, network)}
+    for row in rows:
+        row.update(virtual[(row["case"], row["metric"], row["ranks"])])
+    return records[2]["ping_pong"], rows
+
+
 def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 256)
           ) -> dict[str, Any]:
     """Everything docs/scaling.md reports: validation on 1 and 2 MPI ranks, the measured
@@ -631,15 +645,10 @@ def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 
     1024 conv layers' states) and hierarchy-depth variants of W2."""
     torch.set_num_threads(1)
     ranks = [1, *RANKS] if ranks is None else ranks
-    log.info("validation: measured and traced runs on 1 and 2 MPI ranks")
-    records = {p: _launch_validation(p) for p in (1, 2)}
-    shared = network_from(records[2]["ping_pong"])
+    ping, validation_rows = validation()
+    shared = network_from(ping)
     cluster = Network(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, shared.overhead)
     networks = {"cluster": cluster, "shared memory": shared}
-    rows = compare(records[1], shared) + compare(records[2], shared)
-    virtual = {(r["case"], r["metric"], r["ranks"]): r for r in virtual_checks(records, shared)}
-    for row in rows:
-        row.update(virtual[(row["case"], row["metric"], row["ranks"])])
     depths = {"w2": (256, 1024), "w1-1024": (64, 128)}
     serial_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CURVES}
 
@@ -660,17 +669,16 @@ def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 
         variants += curve(case, list(variant_ranks), {"cluster": cluster})
     serial = {name: fastest_serial(runs, CURVES[name].num_steps)
               for name, runs in serial_runs.items()}
-    for rows in (curves, variants):
-        for name in CURVES:
-            add_baselines([r for r in rows if r["case"].startswith(name)], serial[name],
-                          networks)
+    for row in (*curves, *variants):
+        name = next(n for n in CURVES if row["case"].startswith(n))
+        add_baselines([row], serial[name], networks)
     cases = {c.name: {"workload": c.workload, "num_steps": c.num_steps, "costed": c.costed,
                       "repeats": c.repeats, "processes": c.processes, "description": c.work().description,
                       "forward": c.work().forward.describe(),
                       "backward": c.work().backward.describe()}
              for c in (*CURVES.values(), *CHECKS.values())}
     return {"cases": cases, "networks": {k: vars(v) for k, v in networks.items()},
-            "ping_pong": records[2]["ping_pong"], "validation": rows, "serial_costs": serial,
+            "ping_pong": ping, "validation": validation_rows, "serial_costs": serial,
             "serial_runs": serial_runs,
             "curves": curves, "variants": variants,
             "literature_speedup_vs_layerwise": LITERATURE_SPEEDUP,
