@@ -153,7 +153,7 @@ class Run:
                                    settings.data.download, settings.data.test_fraction,
                                    settings.data.samples, seed=0)
         steps = len(self.split.x_train) // t.batch_size
-        if trace >= steps:
+        if trace and trace >= steps:
             raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
                                 "at most steps - 1 are traced (the first step is a warm-up)")
         self.layer_comm = self.data_comm = None
@@ -311,6 +311,7 @@ class Run:
             (self.out / "settings.json").write_text(json.dumps(s.as_dict(), indent=2))
             for stale in self.out.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
+            (self.out / ".trace.json.tmp").unlink(missing_ok=True)
         metrics = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
         steps_per_epoch = len(self.split.x_train) // t.batch_size
         summary: dict[str, Any] = {}
