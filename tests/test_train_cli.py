@@ -174,7 +174,7 @@ def test_trace_records_steps_that_replay_near_their_measured_times(tmp_path):
     pred = replay(traces, Network(latency=1e-6, bandwidth=5e9, overhead=1e-6))
     spans = step_spans(pred)
     assert len(spans) == len(meta["step_seconds"]) == 4 and min(spans) > 0
-    assert 0.6 < sum(spans) / sum(meta["step_seconds"]) < 1.4
+    assert 0.5 < sum(spans) / sum(meta["step_seconds"]) < 1.5
     proc = mgrit("replay", str(traced / "trace.json"), "--latency", "1e-6")
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in
             (["1"], ["2"], ["3"], ["4"])]
