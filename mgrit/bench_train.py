@@ -82,12 +82,17 @@ def build(work: Workload, seed: int = 0, comm: Any = None) -> tuple[nn.Module, n
     return model, serial
 
 
-def _step_fn(model: nn.Module, work: Workload, x: Tensor, y: Tensor) -> Callable[[], None]:
+def _step_fn(model: nn.Module, work: Workload, x: Tensor, y: Tensor,
+             after_forward: Callable[[], None] | None = None) -> Callable[[], None]:
+    """One optimizer step; `after_forward` is called once the output is there."""
     opt = work.optimizer(model.parameters())
 
     def step() -> None:
         opt.zero_grad()
-        work.loss(model(x), y).backward()
+        out = model(x)
+        if after_forward is not None:
+            after_forward()
+        work.loss(out, y).backward()
         opt.step()
     return step
 

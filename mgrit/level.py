@@ -99,7 +99,7 @@ class Level:
     def changed(self, c_phase: bool) -> None:
         """End of a phase that changed u (its C-points or F-points): count a new version and
         send the last point to the next rank if this phase changed it."""
-        self.version += 1
+        self.touched()
         nxt = self.local.next_rank
         if nxt is not None and self.grid.is_c_point(self.last) == c_phase:
             self._send(_U_TAG, self.u[-1], nxt)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from . import models
 from .bench import mpiexec, w0_case
-from .bench_train import WORKLOADS, Workload
+from .bench_train import WORKLOADS, Workload, _forward_fn, _step_fn
 from .comm import Comm, MPIComm
 from .cycle import solve
 from .nn import LayerParallel, serial_resnet
@@ -111,23 +111,7 @@ def _model(work: Workload, net: models.Network, layers: list[nn.Module], comm: A
 def _train_step(model: nn.Module, work: Workload, x: Tensor, y: Tensor,
                 tracer: Tracer | None = None) -> Callable[[], None]:
     """One optimiser step; the tracer (if any) marks "forward" when the output is there."""
-    opt = work.optimizer(model.parameters())
-
-    def step() -> None:
-        opt.zero_grad()
-        out = model(x)
-        if tracer is not None:
-            tracer.mark("forward")
-        work.loss(out, y).backward()
-        opt.step()
-    return step
-
-
-def _inference(model: nn.Module, x: Tensor) -> Callable[[], None]:
-    def forward() -> None:
-        with torch.no_grad():
-            model(x)
-    return forward
+    return _step_fn(model, work, x, y, None if tracer is None else lambda: tracer.mark("forward"))
 
 
 class KernelCosts:
@@ -347,7 +331,7 @@ def serial_costs(case: Case, depths: tuple[int, int], repeats: int = 3) -> dict[
                 times["backward"].append(t3 - t2)
                 times["update"].append(t1 - t0 + t4 - t3)
         phases[n] = {k: fastest(v) for k, v in times.items()}
-        phases[n]["inference"] = _cpu_time(_inference(model, x), repeats)
+        phases[n]["inference"] = _cpu_time(_forward_fn(model, x), repeats)
     n1, n2 = depths
     costs: dict[str, Any] = {"depths": list(depths)}
     for phase in ("forward", "backward", "update", "inference"):
@@ -479,7 +463,7 @@ def validation_record(cases: tuple[str, ...] = ("w0", "w2", "w1"), repeats: int 
         record[name] = {
             "train": _measured_and_traced(world, _train_step(plain, work, x, y),
                                           _train_step(traced, work, x, y), tracer, repeats),
-            "forward": _measured_and_traced(world, _inference(plain, x), _inference(traced, x),
+            "forward": _measured_and_traced(world, _forward_fn(plain, x), _forward_fn(traced, x),
                                             tracer, repeats)}
     return record if world.rank == 0 else None
 

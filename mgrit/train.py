@@ -152,7 +152,7 @@ class Run:
         self.split = datasets.load(settings.data.name, settings.data.root,
                                    settings.data.download, settings.data.test_fraction,
                                    settings.data.samples, seed=0)
-        steps = len(self.split.x_train) // t.batch_size
+        self.steps_per_epoch = steps = len(self.split.x_train) // t.batch_size
         if trace and trace >= steps:
             raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
                                 "at most steps - 1 are traced (the first step is a warm-up)")
@@ -313,11 +313,10 @@ class Run:
                 shutil.rmtree(stale, ignore_errors=True)
             (self.out / ".trace.json.tmp").unlink(missing_ok=True)
         metrics = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
-        steps_per_epoch = len(self.split.x_train) // t.batch_size
         summary: dict[str, Any] = {}
         try:
             for epoch in range(self.start_epoch, t.epochs + 1):
-                summary = self._epoch(epoch, steps_per_epoch, metrics)
+                summary = self._epoch(epoch, self.steps_per_epoch, metrics)
                 if o.checkpoint:
                     self._save_checkpoint(epoch)
         finally:
