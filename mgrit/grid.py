@@ -9,6 +9,7 @@ rank that owns its fine interval's first point.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -67,10 +68,25 @@ def split_points(num_points: int, size: int, align: int = 1) -> list[tuple[int, 
     Block boundaries sit at the multiple of `align` nearest to an even split. A rank
     with no point gets (first, first - 1).
     """
+    return _split(num_points, size, align, skip=0)
+
+
+def split_steps(num_steps: int, size: int, align: int = 1) -> list[tuple[int, int]]:
+    """Blocks (first, last) of the points 0..num_steps that share the steps evenly.
+
+    Point 0 is given, never computed: rank 0 holds it besides its share of the points
+    1..num_steps, each of which costs one step. Boundaries sit at the multiple of `align`
+    nearest to that split.
+    """
+    return _split(num_steps + 1, size, align, skip=1)
+
+
+def _split(num_points: int, size: int, align: int, skip: int) -> list[tuple[int, int]]:
+    """Blocks whose shares of the points skip..num_points-1 are even (to `align`)."""
     starts = [0]
     for rank in range(1, size):
-        ideal = rank * num_points / size
-        start = min(max(align * round(ideal / align), starts[-1]), num_points)
+        ideal = skip + rank * (num_points - skip) / size
+        start = min(max(align * math.floor(ideal / align + 0.5), starts[-1]), num_points)
         starts.append(start)
     starts.append(num_points)
     return [(starts[r], starts[r + 1] - 1) for r in range(size)]
@@ -90,7 +106,7 @@ def alignment(grids: Sequence[LevelGrid], num_ranks: int) -> int:
 
 def level0_blocks(grids: Sequence[LevelGrid], num_ranks: int) -> list[tuple[int, int]]:
     """The level-0 points (first, last) of every rank."""
-    return split_points(grids[0].num_steps + 1, num_ranks, alignment(grids, num_ranks))
+    return split_steps(grids[0].num_steps, num_ranks, alignment(grids, num_ranks))
 
 
 def owned_range(grid: LevelGrid, block: tuple[int, int]) -> tuple[int, int]:

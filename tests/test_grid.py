@@ -89,3 +89,15 @@ def test_owned_range_can_be_empty_on_coarse_levels():
     grid = build_hierarchy(64, [8, 8], levels=3, min_coarse=1)[2]  # points 0 and 1 (fine 0, 64)
     assert owned_range(grid, (10, 20)) == (1, 0)
     assert owned_range(grid, (60, 64)) == (1, 1)
+
+
+@pytest.mark.parametrize("num_steps,size", [(32, 2), (32, 3), (1024, 64), (7, 4), (100, 7)])
+def test_level0_blocks_share_the_steps_evenly(num_steps, size):
+    """Point 0 is never computed: every rank's number of computed points (steps) is within
+    one of every other's, the blocks covering 0..num_steps once."""
+    grids = build_hierarchy(num_steps, [num_steps + 1], levels=1, min_coarse=1)
+    blocks = level0_blocks(grids, size)
+    assert [p for a, b in blocks for p in range(a, b + 1)] == list(range(num_steps + 1))
+    steps = [len([p for p in range(a, b + 1) if p > 0]) for a, b in blocks]
+    assert max(steps) - min(steps) <= 1
+    assert sum(steps) == num_steps
