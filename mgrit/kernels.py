@@ -59,6 +59,9 @@ class _Linear:
                 grads[self.bias] = flat_g.sum(1)
         return torch.bmm(flat_g, t[self.weight]).reshape(x.shape) if need_input else None
 
+    def single_backward(self, t: dict[str, Tensor], g: Tensor) -> Tensor:
+        return torch.matmul(g, t[self.weight])
+
 
 class _Conv2d:
     """A 'same' stride-1 nn.Conv2d over a stack of layers, one layer at a time (a CPU
@@ -94,6 +97,9 @@ class _Conv2d:
         return [F.conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), padding=self.padding)
                 for i in range(len(x))]
 
+    def single_backward(self, t: dict[str, Tensor], g: Tensor) -> Tensor:
+        return F.conv2d(g, t[self.weight].transpose(0, 1).flip(2, 3), padding=self.padding)
+
 
 class _Activation:
     fresh_output = False
@@ -117,6 +123,9 @@ class _Activation:
         if isinstance(y, list):
             return [back(self.module, g[i], y[i]) for i in range(len(y))]
         return back(self.module, _stacked(g), y)
+
+    def single_backward(self, g: Tensor, y: Tensor) -> Tensor:
+        return _ACTIVATION_BACKWARD[type(self.module)](self.module, g, y)
 
 
 def _apply_activation(fn: nn.Module, x: Tensor, inplace: bool) -> Tensor:
@@ -194,6 +203,23 @@ class Chain:
             else:
                 x = op.single(t, x)
         return x
+
+    def single_vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor) -> Tensor:
+        """(df/dx)^T g for one layer and one state, with plain calls: the sequential
+        march's step of the adjoint, where a batch of one would cost more in overhead
+        than in arithmetic."""
+        outputs = []
+        for i, op in enumerate(self.ops):
+            if isinstance(op, _Activation):
+                x = op.single(t, x, inplace=i > 0 and self.ops[i - 1].fresh_output)
+            else:
+                x = op.single(t, x)
+            outputs.append(x)
+        for i in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[i]
+            g = (op.single_backward(g, outputs[i]) if isinstance(op, _Activation)
+                 else op.single_backward(t, g))
+        return g
 
     def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, want_input: bool = True,
             want_params: bool = False) -> tuple[Tensor | None, dict[str, Tensor] | None]:

@@ -116,6 +116,9 @@ class LayerStack(nn.Module):
         object.__setattr__(self, "template", template)
         self._modules_by_layer: dict[int, nn.Module] = {}
         self._views: dict[int, dict[str, Tensor]] = {}
+        self._rows: dict[tuple[int, int, int], dict[str, Tensor] | Tensor] = {}
+        self._detached_tensors: dict[str, Tensor] | None = None
+        self._detached_key: tuple[int, ...] = ()
         self.chain = Chain.of(template)
         self.dense_tanh = _is_dense_tanh(template)
 
@@ -139,21 +142,43 @@ class LayerStack(nn.Module):
                        "ghost on this rank")
 
     def rows(self, start: int, stride: int, count: int) -> dict[str, Tensor]:
-        """Stacked tensors of layers start, start+stride, ... (a view when all are owned
-        and ascending, a gathered copy otherwise)."""
+        """Detached stacked tensors of layers start, start+stride, ... (cached views when
+        all are owned and ascending, a gathered copy otherwise). Relaxation asks for the
+        same few batches again and again; in-place updates by the optimizer show through
+        the cached views, and `_apply` drops them."""
         end = start + stride * (count - 1)
         if self.first <= min(start, end) and max(start, end) <= self.last:
+            key = (start, stride, count)
+            cached = self._rows.get(key)
+            if cached is not None:
+                return cached if stride > 0 else {k: v.index_select(0, cached)
+                                                  for k, v in self._detached().items()}
             lo = start - self.first
             if stride > 0:
-                return {k: v[lo: lo + stride * (count - 1) + 1: stride]
-                        for k, v in self.tensors().items()}
-            tensors = self.tensors()
+                views = {k: v[lo: lo + stride * (count - 1) + 1: stride]
+                         for k, v in self._detached().items()}
+                self._rows[key] = views
+                return views
+            tensors = self._detached()
             device = next(iter(tensors.values())).device
-            index = torch.arange(lo, lo + stride * count, stride, device=device)
-            return {k: v.index_select(0, index) for k, v in tensors.items()}
+            self._rows[key] = torch.arange(lo, lo + stride * count, stride, device=device)
+            return self.rows(start, stride, count)
         layers = [start + i * stride for i in range(count)]
-        per_layer = [self.layer_tensors(n) for n in layers]
+        per_layer = [self.views(n) for n in layers]
         return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
+
+    def _detached(self) -> dict[str, Tensor]:
+        """The stacked tensors, detached; cached until a tensor gets new storage (`.data =`
+        or a conversion), which also drops the cached views."""
+        tensors = self.tensors()
+        key = tuple(v.data_ptr() for v in tensors.values())
+        if self._detached_tensors is None or self._detached_key != key:
+            self._rows.clear()
+            self._views.clear()
+            self._modules_by_layer.clear()
+            self._detached_tensors = {k: v.detach() for k, v in tensors.items()}
+            self._detached_key = key
+        return self._detached_tensors
 
     def set_ghost(self, layer: int, flat: Tensor) -> None:
         """Unpack a layer sent by its owner (see `flatten_layer`), in place if known."""
@@ -174,6 +199,8 @@ class LayerStack(nn.Module):
         and ghost layers (the next forward pass receives them again)."""
         self._modules_by_layer.clear()
         self._views.clear()
+        self._rows.clear()
+        self._detached_tensors = None
         self.ghosts.clear()
         return super()._apply(fn, recurse)
 
@@ -234,6 +261,13 @@ class LayerStack(nn.Module):
         return (du if want_input else None), (dp if want_params else None)
 
 
+def _write(out: Tensor, value: Tensor, g: Tensor | None) -> None:
+    if g is None:
+        out.copy_(value)
+    else:
+        torch.add(g, value, out=out)
+
+
 class NetworkPropagator:
     """Phi(u) = u + dt * f(u; theta_n): the forward steps of the residual network.
 
@@ -250,6 +284,17 @@ class NetworkPropagator:
         if self.stack.chain is not None:
             return u + s.dt * self.stack.chain.single(self.stack.views(s.fine_index), u)
         return u + s.dt * self.stack.module(s.fine_index)(u)
+
+    def step_into(self, u: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
+        """out = g + Phi(u) (g None: zero), written in place with few kernel calls: the
+        sequential march takes one step at a time, where calls cost more than arithmetic."""
+        if self.stack.chain is None:
+            _write(out, self.step(u, s), g)
+            return
+        f = self.stack.chain.single(self.stack.views(s.fine_index), u)
+        torch.add(u, f, alpha=s.dt, out=out)
+        if g is not None:
+            out.add_(g)
 
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         m = steps.level_stride
@@ -320,6 +365,24 @@ class AdjointPropagator:
         if record:
             self.gradients.append((layers, dp, dt))
         return ws + dt * du
+
+    def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
+        """out = g + (this step's adjoint)(w) (g None: zero), in place; see
+        NetworkPropagator.step_into."""
+        if self.stack.chain is None or (self.recording and s.level == 0):
+            _write(out, self.step(w, s), g)
+            return
+        if not bool(w.any()):
+            if g is None:
+                out.zero_()
+            else:
+                out.copy_(g)
+            return
+        p = self.num_steps - s.fine_index - self.strides[s.level]
+        du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w)
+        torch.add(w, du, alpha=s.dt, out=out)
+        if g is not None:
+            out.add_(g)
 
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self.num_steps - s.fine_index - self.strides[s.level]
