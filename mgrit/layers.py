@@ -305,7 +305,7 @@ class NetworkPropagator:
             flat = states.reshape(len(states), -1, states.shape[-1])
             return dense_step(flat, tensors["0.weight"], tensors["0.bias"],
                               steps.dt).reshape(states.shape)
-        return states + steps.dt * self.stack.f_batch(tensors, states)
+        return torch.add(states, self.stack.f_batch(tensors, states), alpha=steps.dt)
 
 
 class AdjointPropagator:
@@ -364,7 +364,7 @@ class AdjointPropagator:
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
         if record:
             self.gradients.append((layers, dp, dt))
-        return ws + dt * du
+        return torch.add(ws, du, alpha=dt)
 
     def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
         """out = g + (this step's adjoint)(w) (g None: zero), in place; see

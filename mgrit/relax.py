@@ -11,6 +11,7 @@ wait, so a run of such ranks does not become a chain.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .execute import Executor
@@ -47,7 +48,10 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
             src = u[level.rows(first_c + k - 1, m, count)]
             out = executor.advance(prop, src, level.batch(first_c + k - 1, m, count))
             dst = level.rows(first_c + k, m, count)
-            u[dst] = out if g is None else g[dst] + out
+            if g is None:
+                u[dst] = out
+            else:
+                torch.add(g[dst], out, out=u[dst])
     leading = level.first < first_c        # F-points of an interval begun on an earlier rank
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
@@ -82,11 +86,13 @@ def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -
     if count:
         new = propagate_to_c_points(level, prop, executor, first_c, count)
         rows = level.rows(first_c, level.grid.coarsening, count)
-        if level.g is not None:
-            new = level.g[rows] + new
-        if weight == 1.0:
+        if weight == 1.0 and level.g is not None:
+            torch.add(level.g[rows], new, out=level.u[rows])
+        elif weight == 1.0:
             level.u[rows] = new
         else:
+            if level.g is not None:
+                new = level.g[rows] + new
             level.u[rows] = weight * new + (1.0 - weight) * level.u[rows]
     level.changed(c_phase=True)
 
