@@ -13,7 +13,7 @@ Adjoint:  on the reversed grid, w -> w + dt * (df/du)(u_p; theta_p)^T w, with p 
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -116,7 +116,7 @@ class LayerStack(nn.Module):
         object.__setattr__(self, "template", template)
         self._modules_by_layer: dict[int, nn.Module] = {}
         self._views: dict[int, dict[str, Tensor]] = {}
-        self._rows: dict[tuple[int, int, int], dict[str, Tensor] | Tensor] = {}
+        self._rows: dict[tuple[int, int, int], Any] = {}
         self._detached_tensors: dict[str, Tensor] | None = None
         self._detached_key: tuple[int, ...] = ()
         self.chain = Chain.of(template)
@@ -149,20 +149,24 @@ class LayerStack(nn.Module):
         end = start + stride * (count - 1)
         if self.first <= min(start, end) and max(start, end) <= self.last:
             key = (start, stride, count)
-            cached = self._rows.get(key)
-            if cached is not None:
-                return cached if stride > 0 else {k: v.index_select(0, cached)
-                                                  for k, v in self._detached().items()}
-            lo = start - self.first
-            if stride > 0:
-                views = {k: v[lo: lo + stride * (count - 1) + 1: stride]
-                         for k, v in self._detached().items()}
-                self._rows[key] = views
-                return views
             tensors = self._detached()
-            device = next(iter(tensors.values())).device
-            self._rows[key] = torch.arange(lo, lo + stride * count, stride, device=device)
-            return self.rows(start, stride, count)
+            cached = self._rows.get(key)
+            if stride > 0:
+                if cached is None:
+                    lo = start - self.first
+                    cached = {k: v[lo: lo + stride * (count - 1) + 1: stride]
+                              for k, v in tensors.items()}
+                    self._rows[key] = cached
+                return cached
+            # descending: a gathered copy, kept until a tensor changes (its version moves)
+            versions = tuple(v._version for v in tensors.values())
+            if cached is None or cached[1] != versions:
+                lo = start - self.first
+                device = next(iter(tensors.values())).device
+                index = torch.arange(lo, lo + stride * count, stride, device=device)
+                cached = ({k: v.index_select(0, index) for k, v in tensors.items()}, versions)
+                self._rows[key] = cached
+            return cached[0]
         layers = [start + i * stride for i in range(count)]
         per_layer = [self.views(n) for n in layers]
         return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
@@ -330,8 +334,14 @@ class AdjointPropagator:
         # (layers, parameter cotangents of that batch, dt), in the order they were taken;
         # a later entry for a layer replaces an earlier one
         self.gradients: list[tuple[list[int], dict[str, Tensor], float]] = []
+        self._gathered: dict[tuple[int, int, int], tuple[list[int], Tensor]] = {}
         if batched:
             self.step_batch = self._step_batch
+
+    def begin(self) -> None:
+        """A new backward solve: new forward states, no gradients yet."""
+        self.gradients = []
+        self._gathered.clear()
 
     def fine_sweep(self, active: bool) -> None:
         self.recording = active
@@ -398,7 +408,13 @@ class AdjointPropagator:
         m = self.strides[steps.level]
         first = self.num_steps - steps.start * m - m
         stride = -steps.stride * m
-        points = torch.arange(first, first + stride * steps.count, stride)
-        us = self.states.index_select(0, (points - self.offset).to(self.states.device))
+        # the forward states of a batch are fixed for a whole backward solve: gathered once
+        key = (first, stride, steps.count)
+        cached = self._gathered.get(key)
+        if cached is None:
+            points = torch.arange(first, first + stride * steps.count, stride)
+            us = self.states.index_select(0, (points - self.offset).to(self.states.device))
+            cached = (points.tolist(), us)
+            self._gathered[key] = cached
         tensors = self.stack.rows(first, stride, steps.count)
-        return self._vjp(tensors, us, ws, points.tolist(), steps.level, steps.dt)
+        return self._vjp(tensors, cached[1], ws, cached[0], steps.level, steps.dt)

@@ -242,7 +242,7 @@ class LayerParallel(nn.Module):
         with torch.no_grad():
             solver = self._adjoint_solver(grad_out)
             prop: AdjointPropagator = solver.prop
-            prop.gradients = []
+            prop.begin()
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = self._parameter_gradients(prop.gradients)
