@@ -169,6 +169,13 @@ class Chain:
 
     def __init__(self, ops: list) -> None:
         self.ops = ops
+        # whether op i's batched output is a list of per-layer tensors (convolutions and
+        # what follows them) rather than one stacked tensor
+        self.listed: list[bool] = []
+        listed = False
+        for op in ops:
+            listed = isinstance(op, _Conv2d) or (listed and isinstance(op, _Activation))
+            self.listed.append(listed)
 
     @classmethod
     def of(cls, template: nn.Module) -> "Chain | None":
@@ -194,27 +201,42 @@ class Chain:
     def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
         return _stacked(self._run(t, x)[-1])
 
-    def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
+    def forward_values(self, t: dict[str, Tensor], x: Tensor) -> tuple[Tensor, list]:
+        """f(x) for a stack of layers and every op's output, per layer: outputs[n][i] is
+        op i's output for layer n of the stack (what `vjp` can reuse)."""
+        values = self._run(t, x)
+        per_layer = [[v[n] for v in values[1:]] for n in range(len(x))]
+        return _stacked(values[-1]), per_layer
+
+    def gather_values(self, x: Tensor, per_layer: list[list[Tensor]]) -> list:
+        """The `values` argument of `vjp` for a stack of layers from their outputs (as
+        `forward_values` or `single` with `keep` give them) and the stacked inputs x."""
+        return [x] + [[outs[i] for outs in per_layer] if listed
+                      else torch.stack([outs[i] for outs in per_layer])
+                      for i, listed in enumerate(self.listed)]
+
+    def single(self, t: dict[str, Tensor], x: Tensor, keep: list | None = None) -> Tensor:
         """f(x) for one layer (t holds that layer's tensors, x one state): plain calls,
-        activations in place on the fresh output of the op before them."""
+        activations in place on the fresh output of the op before them. `keep`, a list,
+        receives every op's output."""
         for i, op in enumerate(self.ops):
             if isinstance(op, _Activation):
                 x = op.single(t, x, inplace=i > 0 and self.ops[i - 1].fresh_output)
             else:
                 x = op.single(t, x)
+            if keep is not None:
+                keep.append(x)
         return x
 
-    def single_vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor) -> Tensor:
+    def single_vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor,
+                   outputs: list[Tensor] | None = None) -> Tensor:
         """(df/dx)^T g for one layer and one state, with plain calls: the sequential
         march's step of the adjoint, where a batch of one would cost more in overhead
-        than in arithmetic."""
-        outputs = []
-        for i, op in enumerate(self.ops):
-            if isinstance(op, _Activation):
-                x = op.single(t, x, inplace=i > 0 and self.ops[i - 1].fresh_output)
-            else:
-                x = op.single(t, x)
-            outputs.append(x)
+        than in arithmetic. `outputs`: the ops' outputs at x, if kept from the forward
+        pass (then f is not evaluated again)."""
+        if outputs is None:
+            outputs = []
+            self.single(t, x, outputs)
         for i in range(len(self.ops) - 1, -1, -1):
             op = self.ops[i]
             g = (op.single_backward(g, outputs[i]) if isinstance(op, _Activation)
@@ -222,9 +244,12 @@ class Chain:
         return g
 
     def vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor, want_input: bool = True,
-            want_params: bool = False) -> tuple[Tensor | None, dict[str, Tensor] | None]:
-        """The input cotangent and/or the parameter cotangents, from one forward pass."""
-        values = self._run(t, x)
+            want_params: bool = False, values: list | None = None
+            ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
+        """The input cotangent and/or the parameter cotangents, from one forward pass
+        (none when `values`, from `gather_values`, holds the ops' outputs at x)."""
+        if values is None:
+            values = self._run(t, x)
         grads: dict[str, Tensor] | None = {} if want_params else None
         for i in range(len(self.ops) - 1, -1, -1):
             g = self.ops[i].backward(t, values[i], values[i + 1], g, grads,

@@ -249,12 +249,15 @@ class LayerStack(nn.Module):
         return vmap(self.f)(tensors, states)
 
     def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
-                  want_input: bool = True, want_params: bool = False
+                  want_input: bool = True, want_params: bool = False,
+                  outputs: list[list[Tensor]] | None = None
                   ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
         """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
-        batch, from one forward pass per layer."""
+        batch, from one forward pass per layer (none for a chain whose ops' outputs at
+        `states` are given per layer in `outputs`)."""
         if self.chain is not None:
-            return self.chain.vjp(tensors, states, cotangents, want_input, want_params)
+            values = None if outputs is None else self.chain.gather_values(states, outputs)
+            return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
         params = {k: v for k, v in tensors.items() if k in self.names}
         buffers = {k: v for k, v in tensors.items() if k not in self.names}
 
@@ -279,10 +282,23 @@ class NetworkPropagator:
     vmapped call per batch of intervals, on or off.
     """
 
-    def __init__(self, stack: LayerStack, batched: bool) -> None:
+    def __init__(self, stack: LayerStack, batched: bool, keep_outputs: bool = False) -> None:
         self.stack = stack
         if batched:
             self.step_batch = self._step_batch
+        # With `keep_outputs`, the final fine-level sweep of every cycle keeps each layer's
+        # op outputs (layer -> list, one per op of the chain), the values that the adjoint's
+        # fine-level VJPs would otherwise compute again: the sweep's steps start from the
+        # final states, where the backward pass linearises.
+        self.outputs: dict[int, list[Tensor]] | None = (
+            {} if keep_outputs and stack.chain is not None else None)
+        self._keeping = False
+
+    def fine_sweep(self, active: bool) -> None:
+        if self.outputs is not None:
+            if active:
+                self.outputs.clear()
+            self._keeping = active
 
     def step(self, u: Tensor, s: Step) -> Tensor:
         if self.stack.chain is not None:
@@ -295,7 +311,10 @@ class NetworkPropagator:
         if self.stack.chain is None:
             _write(out, self.step(u, s), g)
             return
-        f = self.stack.chain.single(self.stack.views(s.fine_index), u)
+        keep = None
+        if self._keeping and s.level == 0:
+            keep = self.outputs[s.fine_index] = []
+        f = self.stack.chain.single(self.stack.views(s.fine_index), u, keep)
         torch.add(u, f, alpha=s.dt, out=out)
         if g is not None:
             out.add_(g)
@@ -309,6 +328,11 @@ class NetworkPropagator:
             flat = states.reshape(len(states), -1, states.shape[-1])
             return dense_step(flat, tensors["0.weight"], tensors["0.bias"],
                               steps.dt).reshape(states.shape)
+        if self._keeping and steps.level == 0:
+            f, outputs = self.stack.chain.forward_values(tensors, states)
+            for n, kept in enumerate(outputs):
+                self.outputs[steps.start + n * steps.stride] = kept
+            return torch.add(states, f, alpha=steps.dt)
         return torch.add(states, self.stack.f_batch(tensors, states), alpha=steps.dt)
 
 
@@ -324,8 +348,10 @@ class AdjointPropagator:
     """
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
-                 offset: int, batched: bool) -> None:
+                 offset: int, batched: bool,
+                 outputs: dict[int, list[Tensor]] | None = None) -> None:
         self.stack = stack
+        self.outputs = outputs      # the forward pass's kept op outputs at `states`
         self.num_steps = num_steps
         self.strides = strides
         self.states = states        # forward states: row i holds point offset + i
@@ -371,7 +397,13 @@ class AdjointPropagator:
             shape = (len(ws), -1, ws.shape[-1])
             return dense_step_vjp(us.reshape(shape), tensors["0.weight"], tensors["0.bias"],
                                   ws.reshape(shape), dt).reshape(ws.shape)
-        du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record)
+        kept = None
+        if level == 0 and self.outputs:
+            kept = [self.outputs.get(p) for p in layers]
+            if any(k is None for k in kept):
+                kept = None
+        du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
+                                      outputs=kept)
         if record:
             self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
@@ -389,7 +421,9 @@ class AdjointPropagator:
                 out.copy_(g)
             return
         p = self.num_steps - s.fine_index - self.strides[s.level]
-        du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w)
+        kept = self.outputs.get(p) if s.level == 0 and self.outputs else None
+        du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w,
+                                         kept)
         torch.add(w, du, alpha=s.dt, out=out)
         if g is not None:
             out.add_(g)

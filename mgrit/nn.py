@@ -182,7 +182,7 @@ class LayerParallel(nn.Module):
         key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
         if key not in self._solvers:
             batched = config.execution != "loop"
-            self._solvers[key] = Solver(NetworkPropagator(self.layers, batched), like,
+            self._solvers[key] = Solver(NetworkPropagator(self.layers, batched, keep), like,
                                         self.num_steps, 0.0, self.t_final, config,
                                         self._forward_comm, blocks=self._blocks)
         return self._solvers[key]
@@ -196,7 +196,7 @@ class LayerParallel(nn.Module):
             grids = build_hierarchy(self.num_steps, self.backward_config.coarsening_list(),
                                     self.backward_config.levels, self.backward_config.min_coarse)
             prop = AdjointPropagator(self.layers, self.num_steps, [g.stride for g in grids],
-                                     states, offset, batched)
+                                     states, offset, batched, forward.prop.outputs)
             self._adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
                                                 self.backward_config, self._backward_comm,
                                                 blocks=self._adjoint_blocks)
@@ -246,6 +246,8 @@ class LayerParallel(nn.Module):
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = self._parameter_gradients(prop.gradients)
+            if prop.outputs is not None:
+                prop.outputs.clear()    # the forward pass's kept outputs are used up
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]

@@ -185,3 +185,36 @@ def test_modules_outside_the_kernels_match_serial_autograd():
     nn.functional.cross_entropy(model(x), y).backward()
     nn.functional.cross_entropy(serial(x), y).backward()
     assert relative(owned_pairs(model, serial, grad=True)) <= 1e-12
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monkeypatch):
+    """The final fine sweep of the forward solve keeps every layer's op outputs; the
+    adjoint's fine-level VJPs take them instead of evaluating f again: fewer evaluations,
+    bit-identical gradients, and nothing kept once the backward pass is done."""
+    from mgrit import kernels
+    from mgrit.layers import NetworkPropagator
+
+    fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
+                       min_coarse=1)
+    bwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=1,
+                       min_coarse=1)
+    runs = {}
+    for reuse in (True, False):
+        if not reuse:   # the forward pass keeps nothing: every VJP evaluates f again
+            monkeypatch.setattr(NetworkPropagator, "fine_sweep", lambda self, active: None)
+        model, _ = build(kind, 16, fwd, bwd)
+        x, y = data(kind, 4)
+        loss = nn.functional.cross_entropy(model(x), y)
+        calls = []
+        original = kernels.Chain._run
+        monkeypatch.setattr(kernels.Chain, "_run",
+                            lambda self, t, v: calls.append(1) or original(self, t, v))
+        loss.backward()
+        monkeypatch.setattr(kernels.Chain, "_run", original)
+        kept = [s.prop.outputs for s in model._solvers.values()]
+        runs[reuse] = ([p.grad.clone() for p in model.parameters()], len(calls), kept)
+    (grads, evals, kept), (grads_plain, evals_plain, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_plain))
+    assert evals < evals_plain
+    assert kept == [{}]
