@@ -16,6 +16,18 @@ class Executor(Protocol):
         """Return the stacked states after steps[i] applied to states[i]."""
         ...
 
+    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+                     g: Tensor | None) -> None:
+        """Write g + (the states after the steps) into `out` (g None: no g)."""
+        ...
+
+
+def _write(out: Tensor, value: Tensor, g: Tensor | None) -> None:
+    if g is None:
+        out.copy_(value)
+    else:
+        torch.add(g, value, out=out)
+
 
 def _check_output(out: object, states: Tensor, how: str) -> Tensor:
     if not isinstance(out, Tensor) or out.shape != states.shape or out.dtype != states.dtype:
@@ -35,6 +47,10 @@ class LoopExecutor:
         out = torch.stack([prop.step(states[i], s) for i, s in enumerate(steps)])
         return _check_output(out, states, "step")
 
+    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+                     g: Tensor | None) -> None:
+        _write(out, self.advance(prop, states, steps), g)
+
 
 class BatchedExecutor:
     """One `step_batch` call for all intervals."""
@@ -43,6 +59,16 @@ class BatchedExecutor:
 
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
         return _check_output(prop.step_batch(states, steps), states, "step_batch")
+
+    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+                     g: Tensor | None) -> None:
+        """Through the propagator's `step_batch_into` when it has one (no stacked temporary
+        and no copy), else `step_batch` and a copy."""
+        into = getattr(prop, "step_batch_into", None)
+        if into is not None:
+            into(states, steps, out, g)
+        else:
+            _write(out, self.advance(prop, states, steps), g)
 
 
 class StreamExecutor:
@@ -75,6 +101,10 @@ class StreamExecutor:
         for stream in self._streams[device]:
             caller.wait_stream(stream)
         return _check_output(out, states, "step")
+
+    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+                     g: Tensor | None) -> None:
+        _write(out, self.advance(prop, states, steps), g)
 
 
 def make_executor(execution: str, prop: Propagator) -> Executor:

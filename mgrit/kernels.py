@@ -201,12 +201,15 @@ class Chain:
     def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
         return _stacked(self._run(t, x)[-1])
 
-    def forward_values(self, t: dict[str, Tensor], x: Tensor) -> tuple[Tensor, list]:
-        """f(x) for a stack of layers and every op's output, per layer: outputs[n][i] is
-        op i's output for layer n of the stack (what `vjp` can reuse)."""
+    def forward_values(self, t: dict[str, Tensor], x: Tensor, keep: bool = True
+                       ) -> tuple["Tensor | list[Tensor]", list | None]:
+        """f(x) for a stack of layers, stacked or as a list of per-layer tensors
+        (convolution chains), whichever it comes out as; with `keep`, also every op's
+        output per layer: outputs[n][i] is op i's output for layer n (what `vjp` can
+        reuse)."""
         values = self._run(t, x)
-        per_layer = [[v[n] for v in values[1:]] for n in range(len(x))]
-        return _stacked(values[-1]), per_layer
+        per_layer = [[v[n] for v in values[1:]] for n in range(len(x))] if keep else None
+        return values[-1], per_layer
 
     def gather_values(self, x: Tensor, per_layer: list[list[Tensor]]) -> list:
         """The `values` argument of `vjp` for a stack of layers from their outputs (as

@@ -329,11 +329,34 @@ class NetworkPropagator:
             return dense_step(flat, tensors["0.weight"], tensors["0.bias"],
                               steps.dt).reshape(states.shape)
         if self._keeping and steps.level == 0:
-            f, outputs = self.stack.chain.forward_values(tensors, states)
+            out = torch.empty_like(states)
+            self.step_batch_into(states, steps, out, None)
+            return out
+        return torch.add(states, self.stack.f_batch(tensors, states), alpha=steps.dt)
+
+
+    def step_batch_into(self, states: Tensor, steps: StepBatch, out: Tensor,
+                        g: Tensor | None) -> None:
+        """out = g + Phi(states) for a batch (g None: zero), written layer by layer from a
+        chain's outputs: no stacked temporary and no copy."""
+        chain = self.stack.chain
+        if chain is None or _use_cuda_kernels(self.stack, states):
+            _write(out, self._step_batch(states, steps), g)
+            return
+        m = steps.level_stride
+        keep = self._keeping and steps.level == 0
+        f, outputs = chain.forward_values(self.stack.rows(steps.start * m, steps.stride * m,
+                                                          steps.count), states, keep)
+        if keep:
             for n, kept in enumerate(outputs):
                 self.outputs[steps.start + n * steps.stride] = kept
-            return torch.add(states, f, alpha=steps.dt)
-        return torch.add(states, self.stack.f_batch(tensors, states), alpha=steps.dt)
+        if isinstance(f, list):
+            for i, fi in enumerate(f):
+                torch.add(states[i], fi, alpha=steps.dt, out=out[i])
+        else:
+            torch.add(states, f, alpha=steps.dt, out=out)
+        if g is not None:
+            out.add_(g)
 
 
 class AdjointPropagator:

@@ -46,12 +46,9 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
                 break
             count = (level.last - k - first_c) // m + 1
             src = u[level.rows(first_c + k - 1, m, count)]
-            out = executor.advance(prop, src, level.batch(first_c + k - 1, m, count))
             dst = level.rows(first_c + k, m, count)
-            if g is None:
-                u[dst] = out
-            else:
-                torch.add(g[dst], out, out=u[dst])
+            executor.advance_into(prop, src, level.batch(first_c + k - 1, m, count), u[dst],
+                                  None if g is None else g[dst])
     leading = level.first < first_c        # F-points of an interval begun on an earlier rank
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
