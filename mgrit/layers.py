@@ -128,9 +128,10 @@ class LayerStack(nn.Module):
 
     def tensors(self) -> dict[str, Tensor]:
         """Name -> stacked tensor (parameters and buffers), in the template's names."""
-        out = {name: self.params[_sanitize(name)] for name in self.names}
+        params, buffers = self.params._parameters, self._buffers
+        out = {name: params[_sanitize(name)] for name in self.names}
         for name in self.buffer_names:
-            out[name] = getattr(self, "buf__" + _sanitize(name))
+            out[name] = buffers["buf__" + _sanitize(name)]
         return out
 
     def layer_tensors(self, layer: int) -> dict[str, Tensor]:
