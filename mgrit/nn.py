@@ -263,11 +263,21 @@ class LayerParallel(nn.Module):
                  for name in self.layers.names}
         reached = torch.zeros(max(hi - lo + 1, 0), dtype=torch.bool)
         for layers, cotangents, dt in recorded:
-            rows = torch.tensor(layers) - lo
+            first, step = layers[0] - lo, (layers[1] - layers[0] if len(layers) > 1 else 1)
+            if step != 0 and layers == list(range(layers[0], layers[-1] + step, step)):
+                # an arithmetic progression (every batch is): slices, not index tensors
+                rows = slice(min(first, layers[-1] - lo), max(first, layers[-1] - lo) + 1,
+                             abs(step))
+                flip = step < 0
+            else:
+                rows, flip = torch.tensor(layers) - lo, False
             reached[rows] = True
-            rows = rows.to(self._device())
             for name in grads:
-                grads[name][rows] = dt * cotangents[name]
+                cot = cotangents[name]
+                if isinstance(rows, slice):
+                    torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][rows])
+                else:
+                    grads[name][rows.to(cot.device)] = dt * cot
         if not bool(reached.all()):
             missing = (torch.nonzero(~reached).flatten() + lo).tolist()
             raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
