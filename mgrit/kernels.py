@@ -198,25 +198,41 @@ class Chain:
                 values.append(op.forward(t, values[-1]))
         return values
 
-    def forward(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
-        return _stacked(self._run(t, x)[-1])
+    def forward(self, t: dict[str, Tensor], x: Tensor, stack: bool = True
+                ) -> "Tensor | list[Tensor]":
+        """f(x) for a stack of layers; unless `stack`, a convolution chain's result stays a
+        list of per-layer tensors."""
+        out = self._run(t, x)[-1]
+        return _stacked(out) if stack else out
 
-    def forward_values(self, t: dict[str, Tensor], x: Tensor, keep: bool = True
-                       ) -> tuple["Tensor | list[Tensor]", list | None]:
+    def forward_values(self, t: dict[str, Tensor], x: Tensor) -> tuple["Tensor | list", list]:
         """f(x) for a stack of layers, stacked or as a list of per-layer tensors
-        (convolution chains), whichever it comes out as; with `keep`, also every op's
-        output per layer: outputs[n][i] is op i's output for layer n (what `vjp` can
-        reuse)."""
+        (convolution chains), whichever it comes out as, and every op's output (per op,
+        stacked or a list, indexed by layer of the stack): what `gather_values` takes."""
         values = self._run(t, x)
-        per_layer = [[v[n] for v in values[1:]] for n in range(len(x))] if keep else None
-        return values[-1], per_layer
+        return values[-1], values[1:]
 
-    def gather_values(self, x: Tensor, per_layer: list[list[Tensor]]) -> list:
-        """The `values` argument of `vjp` for a stack of layers from their outputs (as
-        `forward_values` or `single` with `keep` give them) and the stacked inputs x."""
-        return [x] + [[outs[i] for outs in per_layer] if listed
-                      else torch.stack([outs[i] for outs in per_layer])
-                      for i, listed in enumerate(self.listed)]
+    def gather_values(self, x: Tensor, kept: list[tuple[list, int]]) -> list:
+        """The `values` argument of `vjp` for a stack of layers whose op outputs were kept:
+        kept[n] = (outputs, k) says layer n's are outputs[i][k] for op i. A whole kept
+        batch, in its order or reversed, is taken as slices; anything else layer by layer."""
+        first, count = kept[0][0], len(kept)
+        index = [k for _, k in kept]
+        whole = count > 1 and all(outputs is first for outputs, _ in kept)
+        ascending = whole and index == list(range(index[0], index[0] + count))
+        descending = whole and index == list(range(index[0], index[0] - count, -1))
+        values: list = [x]
+        for i, listed in enumerate(self.listed):
+            if ascending or descending:
+                lo = index[0] if ascending else index[-1]
+                v = first[i][lo: lo + count]
+                if descending:
+                    v = v[::-1] if listed else v.flip(0)
+            else:
+                items = [outputs[i][k] for outputs, k in kept]
+                v = items if listed else torch.stack(items)
+            values.append(v)
+        return values
 
     def single(self, t: dict[str, Tensor], x: Tensor, keep: list | None = None) -> Tensor:
         """f(x) for one layer (t holds that layer's tensors, x one state): plain calls,

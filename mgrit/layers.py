@@ -251,13 +251,13 @@ class LayerStack(nn.Module):
 
     def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
                   want_input: bool = True, want_params: bool = False,
-                  outputs: list[list[Tensor]] | None = None
+                  kept: list[tuple[list, int]] | None = None
                   ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
         """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
         batch, from one forward pass per layer (none for a chain whose ops' outputs at
-        `states` are given per layer in `outputs`)."""
+        `states` were kept, see `Chain.gather_values`)."""
         if self.chain is not None:
-            values = None if outputs is None else self.chain.gather_values(states, outputs)
+            values = None if kept is None else self.chain.gather_values(states, kept)
             return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
         params = {k: v for k, v in tensors.items() if k in self.names}
         buffers = {k: v for k, v in tensors.items() if k not in self.names}
@@ -288,10 +288,10 @@ class NetworkPropagator:
         if batched:
             self.step_batch = self._step_batch
         # With `keep_outputs`, the final fine-level sweep of every cycle keeps each layer's
-        # op outputs (layer -> list, one per op of the chain), the values that the adjoint's
-        # fine-level VJPs would otherwise compute again: the sweep's steps start from the
-        # final states, where the backward pass linearises.
-        self.outputs: dict[int, list[Tensor]] | None = (
+        # op outputs, the values that the adjoint's fine-level VJPs would otherwise compute
+        # again: the sweep's steps start from the final states, where the backward pass
+        # linearises. layer -> (outputs of its batch, one entry per op; its index there)
+        self.outputs: dict[int, tuple[list, int]] | None = (
             {} if keep_outputs and stack.chain is not None else None)
         self._keeping = False
 
@@ -312,10 +312,10 @@ class NetworkPropagator:
         if self.stack.chain is None:
             _write(out, self.step(u, s), g)
             return
-        keep = None
-        if self._keeping and s.level == 0:
-            keep = self.outputs[s.fine_index] = []
+        keep = [] if self._keeping and s.level == 0 else None
         f = self.stack.chain.single(self.stack.views(s.fine_index), u, keep)
+        if keep is not None:
+            self.outputs[s.fine_index] = ([[y] for y in keep], 0)
         torch.add(u, f, alpha=s.dt, out=out)
         if g is not None:
             out.add_(g)
@@ -345,12 +345,13 @@ class NetworkPropagator:
             _write(out, self._step_batch(states, steps), g)
             return
         m = steps.level_stride
-        keep = self._keeping and steps.level == 0
-        f, outputs = chain.forward_values(self.stack.rows(steps.start * m, steps.stride * m,
-                                                          steps.count), states, keep)
-        if keep:
-            for n, kept in enumerate(outputs):
-                self.outputs[steps.start + n * steps.stride] = kept
+        tensors = self.stack.rows(steps.start * m, steps.stride * m, steps.count)
+        if self._keeping and steps.level == 0:
+            f, outputs = chain.forward_values(tensors, states)
+            for n in range(steps.count):
+                self.outputs[steps.start + n * steps.stride] = (outputs, n)
+        else:
+            f = chain.forward(tensors, states, stack=False)
         if isinstance(f, list):
             for i, fi in enumerate(f):
                 torch.add(states[i], fi, alpha=steps.dt, out=out[i])
@@ -373,7 +374,7 @@ class AdjointPropagator:
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
                  offset: int, batched: bool,
-                 outputs: dict[int, list[Tensor]] | None = None) -> None:
+                 outputs: dict[int, tuple[list, int]] | None = None) -> None:
         self.stack = stack
         self.outputs = outputs      # the forward pass's kept op outputs at `states`
         self.num_steps = num_steps
@@ -427,7 +428,7 @@ class AdjointPropagator:
             if any(k is None for k in kept):
                 kept = None
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
-                                      outputs=kept)
+                                      kept=kept)
         if record:
             self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
@@ -447,7 +448,8 @@ class AdjointPropagator:
         p = self.num_steps - s.fine_index - self.strides[s.level]
         kept = self.outputs.get(p) if s.level == 0 and self.outputs else None
         du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w,
-                                         kept)
+                                         None if kept is None else
+                                         [outputs[kept[1]] for outputs in kept[0]])
         torch.add(w, du, alpha=s.dt, out=out)
         if g is not None:
             out.add_(g)
