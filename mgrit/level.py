@@ -37,11 +37,13 @@ class Level:
         self.comm = comm
         self.t0, self.h = t0, h
         self.dt = h * self.grid.stride
-        shape = (self.count + 1, *like.shape)
+        # a rank with no point on this level stores nothing (not even the ghost row)
+        shape = (self.count + 1 if self.count else 0, *like.shape)
         self.u = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.v = torch.zeros_like(self.u) if fas else None
         self.g = torch.zeros_like(self.u) if fas else None
-        self._send_buf = {tag: torch.zeros_like(like) for tag in (_U_TAG, _V_TAG)}
+        self._state = (like.shape, like.dtype, like.device)
+        self._send_buf: dict[int, Tensor] = {}     # allocated at a kind's first send
         self._sends: dict[int, Request] = {}
         self._recvs: dict[int, Request] = {}
         self.version = 0   # bumped by every change of u, so results computed from it can be reused
@@ -122,7 +124,10 @@ class Level:
         previous = self._sends.pop(kind, None)
         if previous is not None:
             previous.wait()
-        buf = self._send_buf[kind]
+        buf = self._send_buf.get(kind)
+        if buf is None:
+            shape, dtype, device = self._state
+            buf = self._send_buf[kind] = torch.zeros(shape, dtype=dtype, device=device)
         buf.copy_(value)
         self._sends[kind] = self.comm.isend(buf, dest, self.tag(kind))
 
