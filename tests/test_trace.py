@@ -360,7 +360,17 @@ def test_predictions_match_measured_times_on_one_and_two_ranks(mpi):
     forward pass. The 25% goal is checked by the scaling study on a quiet machine
     (docs/scaling.md); here the bounds catch a model that loses or double-counts work while
     leaving room for the slow phases of a shared machine (up to twice the CPU time for
-    seconds at a time), which can hit a measurement and its prediction at different moments."""
+    seconds at a time), which can hit a measurement and its prediction at different moments.
+    A slow phase can still hit one side by a factor of two, so a miss is measured once more:
+    lost or double-counted work misses both times."""
+    for attempt in range(2):
+        misses = _prediction_misses(mpi)
+        if not misses:
+            break
+    assert not misses, misses
+
+
+def _prediction_misses(mpi) -> list[dict]:
     records = {}
     for ranks in (1, 2):
         run = mpi("trace_run.py", ranks, "5", timeout=240)
@@ -371,7 +381,7 @@ def test_predictions_match_measured_times_on_one_and_two_ranks(mpi):
     assert 1e8 < network.bandwidth < 1e12
     rows = compare(records[1], network) + compare(records[2], network)
     assert len(rows) == 6
-    for row in rows:
-        assert abs(row["error"]) < 0.4, row
-    for row in virtual_checks(records, network):
-        assert -0.5 < row["virtual_error"] < 1.0, row
+    misses = [row for row in rows if not abs(row["error"]) < 0.4]
+    misses += [row for row in virtual_checks(records, network)
+               if not -0.5 < row["virtual_error"] < 1.0]
+    return misses
