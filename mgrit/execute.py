@@ -22,7 +22,8 @@ class Executor(Protocol):
         ...
 
 
-def _write(out: Tensor, value: Tensor, g: Tensor | None) -> None:
+def write_result(out: Tensor, value: Tensor, g: Tensor | None) -> None:
+    """out = g + value (g None: value), in place."""
     if g is None:
         out.copy_(value)
     else:
@@ -49,7 +50,7 @@ class LoopExecutor:
 
     def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
-        _write(out, self.advance(prop, states, steps), g)
+        write_result(out, self.advance(prop, states, steps), g)
 
 
 class BatchedExecutor:
@@ -68,7 +69,7 @@ class BatchedExecutor:
         if into is not None:
             into(states, steps, out, g)
         else:
-            _write(out, self.advance(prop, states, steps), g)
+            write_result(out, self.advance(prop, states, steps), g)
 
 
 class StreamExecutor:
@@ -104,7 +105,7 @@ class StreamExecutor:
 
     def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
-        _write(out, self.advance(prop, states, steps), g)
+        write_result(out, self.advance(prop, states, steps), g)
 
 
 def make_executor(execution: str, prop: Propagator) -> Executor:

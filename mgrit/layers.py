@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from .execute import write_result
 from .kernels import Chain
 from .propagator import Step, StepBatch
 
@@ -269,13 +270,6 @@ class LayerStack(nn.Module):
         return (du if want_input else None), (dp if want_params else None)
 
 
-def _write(out: Tensor, value: Tensor, g: Tensor | None) -> None:
-    if g is None:
-        out.copy_(value)
-    else:
-        torch.add(g, value, out=out)
-
-
 class NetworkPropagator:
     """Phi(u) = u + dt * f(u; theta_n): the forward steps of the residual network.
 
@@ -310,7 +304,7 @@ class NetworkPropagator:
         """out = g + Phi(u) (g None: zero), written in place with few kernel calls: the
         sequential march takes one step at a time, where calls cost more than arithmetic."""
         if self.stack.chain is None:
-            _write(out, self.step(u, s), g)
+            write_result(out, self.step(u, s), g)
             return
         keep = [] if self._keeping and s.level == 0 else None
         f = self.stack.chain.single(self.stack.views(s.fine_index), u, keep)
@@ -342,7 +336,7 @@ class NetworkPropagator:
         chain's outputs: no stacked temporary and no copy."""
         chain = self.stack.chain
         if chain is None or _use_cuda_kernels(self.stack, states):
-            _write(out, self._step_batch(states, steps), g)
+            write_result(out, self._step_batch(states, steps), g)
             return
         m = steps.level_stride
         tensors = self.stack.rows(steps.start * m, steps.stride * m, steps.count)
@@ -437,7 +431,7 @@ class AdjointPropagator:
         """out = g + (this step's adjoint)(w) (g None: zero), in place; see
         NetworkPropagator.step_into."""
         if self.stack.chain is None or (self.recording and s.level == 0):
-            _write(out, self.step(w, s), g)
+            write_result(out, self.step(w, s), g)
             return
         if not bool(w.any()):
             if g is None:
