@@ -270,6 +270,13 @@ class LayerStack(nn.Module):
         return (du if want_input else None), (dp if want_params else None)
 
 
+def _add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) -> None:
+    """out = g + u + dt * f (g None: no g), in place: a step's update written into its row."""
+    torch.add(u, f, alpha=dt, out=out)
+    if g is not None:
+        out.add_(g)
+
+
 class NetworkPropagator:
     """Phi(u) = u + dt * f(u; theta_n): the forward steps of the residual network.
 
@@ -310,9 +317,7 @@ class NetworkPropagator:
         f = self.stack.chain.single(self.stack.views(s.fine_index), u, keep)
         if keep is not None:
             self.outputs[s.fine_index] = ([[y] for y in keep], 0)
-        torch.add(u, f, alpha=s.dt, out=out)
-        if g is not None:
-            out.add_(g)
+        _add_step(out, u, f, s.dt, g)
 
     def _step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         m = steps.level_stride
@@ -349,10 +354,10 @@ class NetworkPropagator:
         if isinstance(f, list):
             for i, fi in enumerate(f):
                 torch.add(states[i], fi, alpha=steps.dt, out=out[i])
+            if g is not None:
+                out.add_(g)
         else:
-            torch.add(states, f, alpha=steps.dt, out=out)
-        if g is not None:
-            out.add_(g)
+            _add_step(out, states, f, steps.dt, g)
 
 
 class AdjointPropagator:
@@ -439,17 +444,19 @@ class AdjointPropagator:
             else:
                 out.copy_(g)
             return
-        p = self.num_steps - s.fine_index - self.strides[s.level]
+        p = self._layer_point(s)
         kept = self.outputs.get(p) if s.level == 0 and self.outputs else None
         du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w,
                                          None if kept is None else
                                          [outputs[kept[1]] for outputs in kept[0]])
-        torch.add(w, du, alpha=s.dt, out=out)
-        if g is not None:
-            out.add_(g)
+        _add_step(out, w, du, s.dt, g)
+
+    def _layer_point(self, s: Step) -> int:
+        """The forward point p whose layer and state step s of the adjoint uses."""
+        return self.num_steps - s.fine_index - self.strides[s.level]
 
     def step(self, w: Tensor, s: Step) -> Tensor:
-        p = self.num_steps - s.fine_index - self.strides[s.level]
+        p = self._layer_point(s)
         u = self.states[p - self.offset]
         if self.stack.chain is not None or (self.recording and s.level == 0) or not w.any():
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
