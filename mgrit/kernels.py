@@ -39,11 +39,11 @@ class _Linear:
 
     def forward(self, t: dict[str, Tensor], x: Values) -> Tensor:
         x = _stacked(x)
-        flat = x.reshape(x.shape[0], -1, x.shape[-1])
+        flat = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
         w = t[self.weight].transpose(1, 2)
         y = (torch.baddbmm(t[self.bias][:, None, :], flat, w) if self.bias
              else torch.bmm(flat, w))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 3 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
         return F.linear(x, t[self.weight], t[self.bias] if self.bias else None)
@@ -51,13 +51,17 @@ class _Linear:
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> Tensor | None:
         x, g = _stacked(x), _stacked(g)
-        flat_g = g.reshape(g.shape[0], -1, g.shape[-1])
+        flat = g.dim() == 3
+        flat_g = g if flat else g.reshape(g.shape[0], -1, g.shape[-1])
         if grads is not None:
-            grads[self.weight] = torch.bmm(flat_g.transpose(1, 2),
+            grads[self.weight] = torch.bmm(flat_g.transpose(1, 2), x if flat else
                                            x.reshape(x.shape[0], -1, x.shape[-1]))
             if self.bias:
                 grads[self.bias] = flat_g.sum(1)
-        return torch.bmm(flat_g, t[self.weight]).reshape(x.shape) if need_input else None
+        if not need_input:
+            return None
+        du = torch.bmm(flat_g, t[self.weight])
+        return du if flat else du.reshape(x.shape)
 
     def single_backward(self, t: dict[str, Tensor], g: Tensor) -> Tensor:
         return torch.matmul(g, t[self.weight])

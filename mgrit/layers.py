@@ -97,6 +97,8 @@ class LayerStack(nn.Module):
         self.first, self.last = first, last
         self.names = [name for name, _ in template.named_parameters()]
         self.buffer_names = [name for name, _ in template.named_buffers()]
+        self._param_keys = [(name, _sanitize(name)) for name in self.names]
+        self._buffer_keys = [(name, "buf__" + _sanitize(name)) for name in self.buffer_names]
         self.params = nn.ParameterDict()
         order = range(first, last + 1)
         for name in self.names:
@@ -130,9 +132,9 @@ class LayerStack(nn.Module):
     def tensors(self) -> dict[str, Tensor]:
         """Name -> stacked tensor (parameters and buffers), in the template's names."""
         params, buffers = self.params._parameters, self._buffers
-        out = {name: params[_sanitize(name)] for name in self.names}
-        for name in self.buffer_names:
-            out[name] = buffers["buf__" + _sanitize(name)]
+        out = {name: params[key] for name, key in self._param_keys}
+        for name, key in self._buffer_keys:
+            out[name] = buffers[key]
         return out
 
     def layer_tensors(self, layer: int) -> dict[str, Tensor]:
@@ -176,9 +178,12 @@ class LayerStack(nn.Module):
     def _detached(self) -> dict[str, Tensor]:
         """The stacked tensors, detached; cached until a tensor gets new storage (`.data =`
         or a conversion), which also drops the cached views."""
-        tensors = self.tensors()
-        key = tuple(v.data_ptr() for v in tensors.values())
+        # what rows() checks on every call, so kept cheap: plain dict reads, no __getattr__
+        key = tuple(map(Tensor.data_ptr, self._modules["params"]._parameters.values()))
+        if self._buffer_keys:
+            key += tuple(map(Tensor.data_ptr, self._buffers.values()))
         if self._detached_tensors is None or self._detached_key != key:
+            tensors = self.tensors()
             self._rows.clear()
             self._views.clear()
             self._modules_by_layer.clear()
