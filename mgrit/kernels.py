@@ -218,19 +218,21 @@ class Chain:
 
     def gather_values(self, x: Tensor, kept: list[tuple[list, int]]) -> list:
         """The `values` argument of `vjp` for a stack of layers whose op outputs were kept:
-        kept[n] = (outputs, k) says layer n's are outputs[i][k] for op i. A whole kept
-        batch, in its order or reversed, is taken as slices; anything else layer by layer."""
+        kept[n] = (outputs, k) says layer n's are outputs[i][k] for op i. Evenly spaced
+        entries of one kept batch, in its order or reversed, are taken as slices; anything
+        else layer by layer."""
         first, count = kept[0][0], len(kept)
         index = [k for _, k in kept]
-        whole = count > 1 and all(outputs is first for outputs, _ in kept)
-        ascending = whole and index == list(range(index[0], index[0] + count))
-        descending = whole and index == list(range(index[0], index[0] - count, -1))
+        step = index[1] - index[0] if count > 1 else 0
+        # one kept batch at evenly spaced indices (a coarse level's layers are every M-th)
+        regular = (step != 0 and all(outputs is first for outputs, _ in kept)
+                   and index == list(range(index[0], index[0] + step * count, step)))
         values: list = [x]
         for i, listed in enumerate(self.listed):
-            if ascending or descending:
-                lo = index[0] if ascending else index[-1]
-                v = first[i][lo: lo + count]
-                if descending:
+            if regular:
+                lo = min(index[0], index[-1])
+                v = first[i][lo: lo + abs(step) * (count - 1) + 1: abs(step)]
+                if step < 0:
                     v = v[::-1] if listed else v.flip(0)
             else:
                 items = [outputs[i][k] for outputs, k in kept]
