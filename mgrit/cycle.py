@@ -263,15 +263,41 @@ class Solver:
 
     def _residual(self) -> float:
         """2-norm over the fine C-points j >= 1 of Phi(u_{j-1}) - u_j, over all ranks."""
+        return math.sqrt(self.comm.allreduce_sum(self._local_residual()))
+
+    def _local_residual(self) -> float:
+        """This rank's part of the squared residual norm."""
         fine = self.levels[0]
-        local = 0.0
-        if not fine.empty and not fine.grid.is_coarsest:
-            first_c, count = fine.c_points()
-            if count:
-                phi = self._phi_at_c_points(fine, first_c, count)
-                r = phi - fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
-                local = float(torch.linalg.vector_norm(r)) ** 2
-        return math.sqrt(self.comm.allreduce_sum(local))
+        if fine.empty or fine.grid.is_coarsest:
+            return 0.0
+        first_c, count = fine.c_points()
+        if not count:
+            return 0.0
+        phi = self._phi_at_c_points(fine, first_c, count)
+        r = phi - fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
+        return float(torch.linalg.vector_norm(r)) ** 2
+
+    def _residuals(self, local: list[float]) -> list[float]:
+        """Residual norms from every rank's parts, all in one reduction."""
+        if self.comm.size == 1:
+            return [math.sqrt(x) for x in local]
+        buf = torch.tensor(local, dtype=torch.float64)
+        self.comm.allreduce_sum_(buf)
+        return [math.sqrt(x) for x in buf.tolist()]
+
+    def _check_divergence(self, residuals: list[float]) -> None:
+        """Raise (every rank alike) at the first cycle whose residual is not finite or grew
+        past divergence_factor times the first cycle's."""
+        for k, r in enumerate(residuals):
+            if not math.isfinite(r) or r > self.config.divergence_factor * residuals[0]:
+                self._drain()
+                history = residuals[:k + 1]
+                raise DivergenceError(
+                    f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
+                    f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
+                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
+                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
+                    "use fewer levels, a smaller coarsening, or more steps.", history)
 
     def fine_states(self) -> tuple[Tensor, int]:
         """The rank's level-0 storage and the point its first row holds.
@@ -304,30 +330,41 @@ class Solver:
         self._initialize(u0, cfg.initial_guess)
         if cfg.initial_guess == "nested" and len(self.levels) > 1:
             self._nested()
+        # With tol = 0 a multilevel solve runs all its cycles whatever the residuals are:
+        # their norms are reduced over the ranks once, at the end, so that no cycle waits
+        # for every rank to finish the one before (the divergence check moves there too).
+        deferred = cfg.tol == 0.0 and len(self.levels) > 1
         residuals: list[float] = []
+        parts: list[float] = []
         initial = None
         converged = False
         for iteration in range(cfg.max_iter):
             if iteration == 0 and len(self.levels) > 1:
                 f_relax(self.levels[0], self.prop, self.executor)
             if iteration == 0 and cfg.tol_kind == "relative":
-                initial = self._residual()
+                if deferred:
+                    parts.append(self._local_residual())
+                else:
+                    initial = self._residual()
             self._cycle(0, cfg.cycle, first_f=False)
+            if deferred:
+                parts.append(self._local_residual())
+                self._fine_sweep(False)
+                continue
             r = self._residual()
             self._fine_sweep(False)
             residuals.append(r)
-            if not math.isfinite(r) or r > cfg.divergence_factor * residuals[0]:
-                self._drain()
-                raise DivergenceError(
-                    f"MGRIT diverged: residual {r:.3e} after cycle {iteration + 1} "
-                    f"(history {', '.join(f'{x:.3e}' for x in residuals)}). The usual cause "
-                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
-                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
-                    "use fewer levels, a smaller coarsening, or more steps.", residuals)
+            self._check_divergence(residuals)
             threshold = cfg.tol * initial if cfg.tol_kind == "relative" else cfg.tol
             if r <= threshold:
                 converged = True
                 break
+        if deferred:
+            residuals = self._residuals(parts)
+            if cfg.tol_kind == "relative":
+                initial = residuals.pop(0)
+            self._check_divergence(residuals)
+            converged = residuals[-1] <= 0.0
         self._drain()
         self._has_solved = True
         fine = self.levels[0]

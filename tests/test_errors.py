@@ -154,3 +154,16 @@ def test_nan_residual_is_reported():
     with pytest.raises(mgrit.DivergenceError, match="residual nan|residual inf") as info:
         mgrit.solve(Overflowing(), U0, 32, 0.0, 1.0, mgrit.Config(levels=2, max_iter=5))
     assert len(info.value.residuals) == 1
+
+
+def test_divergence_of_a_fixed_cycle_count_solve_is_reported_at_its_first_cycle():
+    # tol = 0 runs every cycle and reduces the residuals once at the end; the report is the
+    # same: the history up to the first cycle that diverged
+    prop = Dahlquist(-1.0, method="forward_euler")
+    config = dict(levels=4, coarsening=2, relax="F", max_iter=12)
+    with pytest.raises(mgrit.DivergenceError, match="unstable coarse step") as fixed:
+        mgrit.solve(prop, U0, 256, 0.0, 128.0, mgrit.Config(tol=0.0, **config))
+    with pytest.raises(mgrit.DivergenceError) as checked:
+        mgrit.solve(prop, U0, 256, 0.0, 128.0, mgrit.Config(tol=1e-300, **config))
+    assert fixed.value.residuals == checked.value.residuals
+    assert 2 <= len(fixed.value.residuals) < 12

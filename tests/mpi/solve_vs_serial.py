@@ -76,4 +76,13 @@ for (name, (prop, u0), t1, tol), n, setting in itertools.product(problems(), STE
     failures += compare(name, prop, u0, t1, n, setting, tol)
     cases += 1
 
+# tol = 0 reduces the residual norms once, after the last cycle; any tol > 0 after every
+# cycle: the same cycles, so the same residual history and states
+for name, (prop, u0), t1, _ in problems():
+    runs = [mgrit.solve(prop, u0, 64, 0.0, t1, mgrit.Config(levels=3, coarsening=2, tol=tol,
+                                                            max_iter=3), comm=comm)
+            for tol in (0.0, 1e-300)]
+    if runs[0].residuals != runs[1].residuals or not torch.equal(runs[0].states, runs[1].states):
+        failures.append(f"{name}: tol=0 {runs[0].residuals} vs tol=1e-300 {runs[1].residuals}")
+
 report(comm.rank, size=comm.size, cases=cases, failures=failures[:20])
