@@ -257,15 +257,13 @@ class LayerStack(nn.Module):
 
     def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
                   want_input: bool = True, want_params: bool = False,
-                  kept: list[tuple[list, int]] | None = None, values: list | None = None
+                  kept: list[tuple[list, int]] | None = None
                   ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
         """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
         batch, from one forward pass per layer (none for a chain whose ops' outputs at
-        `states` were kept, see `Chain.gather_values`, or are given as `values`, what
-        `Chain.vjp` takes)."""
+        `states` were kept, see `Chain.gather_values`)."""
         if self.chain is not None:
-            if kept is not None:
-                values = self.chain.gather_values(states, kept)
+            values = None if kept is None else self.chain.gather_values(states, kept)
             return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
         params = {k: v for k, v in tensors.items() if k in self.names}
         buffers = {k: v for k, v in tensors.items() if k not in self.names}
@@ -391,10 +389,10 @@ class AdjointPropagator:
         # (layers, parameter cotangents of that batch, dt), in the order they were taken;
         # a later entry for a layer replaces an earlier one
         self.gradients: list[tuple[list[int], dict[str, Tensor], float]] = []
-        # per batch of a backward solve: its forward points, their states and (coarse levels,
-        # once computed) the chain's op outputs there, which the batch's next VJP reuses
-        self._gathered: dict[tuple[int, int, int], list] = {}
-        self._single: dict[int, list[Tensor]] = {}   # the same for single coarse steps
+        self._gathered: dict[tuple[int, int, int], tuple[list[int], Tensor]] = {}
+        # op outputs at a forward point that the forward pass did not keep, computed at their
+        # first use in this backward solve (same form as `outputs`)
+        self._computed: dict[int, tuple[list, int]] = {}
         if batched:
             self.step_batch = self._step_batch
 
@@ -402,17 +400,23 @@ class AdjointPropagator:
         """A new backward solve: new forward states, no gradients yet."""
         self.gradients = []
         self._gathered.clear()
-        self._single.clear()
+        self._computed.clear()
 
     def fine_sweep(self, active: bool) -> None:
         self.recording = active
 
+    def _kept(self, p: int) -> tuple[list, int] | None:
+        """The chain's op outputs at forward point p with layer p, where every adjoint step
+        that uses layer p linearises, whatever its level: kept by the forward pass or
+        computed earlier in this backward solve; None if neither."""
+        kept = self.outputs.get(p) if self.outputs else None
+        return kept if kept is not None else self._computed.get(p)
+
     def _vjp(self, tensors: dict[str, Tensor], us: Tensor, ws: Tensor, layers: list[int],
-             level: int, dt: float, cache: list | None = None) -> Tensor:
+             level: int, dt: float) -> Tensor:
         """ws + dt (df/du)^T ws for a batch. The adjoint is linear in w, so entries whose w is
         exactly zero (much of a first cycle from a zero guess) map to zero and are skipped:
-        the result is the same to the bit. `cache`, a whole coarse batch's entry of
-        `_gathered`, keeps the chain's op outputs at `us` for the batch's later VJPs."""
+        the result is the same to the bit."""
         record = self.recording and level == 0
         nonzero = ws.reshape(len(ws), -1).any(dim=1)
         if not bool(nonzero.all()):
@@ -433,17 +437,15 @@ class AdjointPropagator:
             shape = (len(ws), -1, ws.shape[-1])
             return dense_step_vjp(us.reshape(shape), tensors["0.weight"], tensors["0.bias"],
                                   ws.reshape(shape), dt).reshape(ws.shape)
-        kept = values = None
-        if self.outputs:   # any level: a coarse step at p linearises where fine step p does
-            kept = [self.outputs.get(p) for p in layers]
+        kept = None
+        if self.stack.chain is not None:
+            kept = [self._kept(p) for p in layers]
             if any(k is None for k in kept):
-                kept = None
-        if kept is None and cache is not None and self.stack.chain is not None:
-            if cache[2] is None:
-                cache[2] = [us, *self.stack.chain.forward_values(tensors, us)[1]]
-            values = cache[2]
+                _, outputs = self.stack.chain.forward_values(tensors, us)
+                kept = [(outputs, i) for i in range(len(layers))]
+                self._computed.update(zip(layers, kept))
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
-                                      kept=kept, values=values)
+                                      kept=kept)
         if record:
             self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
@@ -461,18 +463,13 @@ class AdjointPropagator:
                 out.copy_(g)
             return
         p = self._layer_point(s)
-        kept = self.outputs.get(p) if self.outputs else None
-        if kept is not None:
-            outputs = [outputs[kept[1]] for outputs in kept[0]]
-        else:
-            # the op outputs at a forward state are fixed for the whole backward solve
-            outputs = self._single.get(p)
-            if outputs is None:
-                outputs = self._single[p] = []
-                self.stack.chain.single(self.stack.views(p), self.states[p - self.offset],
-                                        outputs)
+        kept = self._kept(p)
+        if kept is None:
+            keep: list[Tensor] = []
+            self.stack.chain.single(self.stack.views(p), self.states[p - self.offset], keep)
+            kept = self._computed[p] = ([[y] for y in keep], 0)
         du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w,
-                                         outputs)
+                                         [outputs[kept[1]] for outputs in kept[0]])
         _add_step(out, w, du, s.dt, g)
 
     def _layer_point(self, s: Step) -> int:
@@ -499,8 +496,7 @@ class AdjointPropagator:
         if cached is None:
             points = torch.arange(first, first + stride * steps.count, stride)
             us = self.states.index_select(0, (points - self.offset).to(self.states.device))
-            cached = [points.tolist(), us, None]
+            cached = (points.tolist(), us)
             self._gathered[key] = cached
         tensors = self.stack.rows(first, stride, steps.count)
-        return self._vjp(tensors, cached[1], ws, cached[0], steps.level, steps.dt,
-                         cached if steps.level > 0 else None)
+        return self._vjp(tensors, cached[1], ws, cached[0], steps.level, steps.dt)
