@@ -3,6 +3,7 @@ against hand-computed critical paths and against times measured on 1 and 2 MPI r
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -244,6 +245,21 @@ def test_settings_that_differ_between_virtual_ranks_fail_everywhere():
 
     with pytest.raises(ValueError, match="differ between ranks"):
         run_ranks(3, program, timeout=30.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread binding here")
+def test_virtual_ranks_share_one_core_and_the_callers_cores_come_back():
+    before = os.sched_getaffinity(0)
+    seen = run_ranks(3, lambda comm: os.sched_getaffinity(0))
+    assert seen == [{min(before)}] * 3
+    assert os.sched_getaffinity(0) == before
+
+    def failing(comm):
+        raise RuntimeError("deliberate failure")
+
+    with pytest.raises(RuntimeError, match="deliberate failure"):
+        run_ranks(2, failing, timeout=30.0)
+    assert os.sched_getaffinity(0) == before
 
 
 def test_a_wait_for_a_message_never_sent_times_out():
