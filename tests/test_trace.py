@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.scaling import (KernelCosts, compare, layerwise_traces, network_from,
-                           serial_seconds, virtual_checks)
+from mgrit.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
+                           network_from, serial_seconds, virtual_checks)
 from mgrit.trace import (Network, ReplayError, Tracer, TracingComm, VirtualFailure,
                          load_traces, replay, run_ranks, save_traces)
 
@@ -368,6 +368,22 @@ def test_charged_convolutions_keep_the_solver_course():
 
 
 # against measured times --------------------------------------------------------------------
+
+def test_validation_launches_merge_into_their_fastest_measurement_and_replay():
+    def record(measured, compute):
+        traces = [[[["compute", c]]] for c in compute]       # one rank, one event per repeat
+        return {"ranks": 1, "ping_pong": {"launch": len(measured)},
+                "w2": {"train": {"measured": measured, "traces": traces}}}
+
+    first, second = record([0.5, 0.4], [0.45, 0.42]), record([0.3], [0.35])
+    merged = merge_records([first, second])
+    assert merged["ping_pong"] == first["ping_pong"]
+    assert merged["w2"]["train"]["measured"] == [0.5, 0.4, 0.3]
+    assert first["w2"]["train"]["measured"] == [0.5, 0.4]       # the inputs are left alone
+    row, = compare(merged, Network(0.0, 1e9))
+    assert row["measured"] == 0.3
+    assert row["predicted_from_mpi_traces"] == pytest.approx(0.35)
+
 
 @pytest.mark.mpi
 def test_predictions_match_measured_times_on_one_and_two_ranks(mpi):
