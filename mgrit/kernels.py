@@ -253,15 +253,10 @@ class Chain:
                 keep.append(x)
         return x
 
-    def single_vjp(self, t: dict[str, Tensor], x: Tensor, g: Tensor,
-                   outputs: list[Tensor] | None = None) -> Tensor:
-        """(df/dx)^T g for one layer and one state, with plain calls: the sequential
-        march's step of the adjoint, where a batch of one would cost more in overhead
-        than in arithmetic. `outputs`: the ops' outputs at x, if kept from the forward
-        pass (then f is not evaluated again)."""
-        if outputs is None:
-            outputs = []
-            self.single(t, x, outputs)
+    def single_vjp(self, t: dict[str, Tensor], g: Tensor, outputs: list[Tensor]) -> Tensor:
+        """(df/dx)^T g for one layer and one state x, with plain calls, from the ops'
+        outputs at x (`single(t, x, keep)` gives them): the sequential march's step of the
+        adjoint, where a batch of one would cost more in overhead than in arithmetic."""
         for i in range(len(self.ops) - 1, -1, -1):
             op = self.ops[i]
             g = (op.single_backward(g, outputs[i]) if isinstance(op, _Activation)

@@ -463,13 +463,14 @@ class AdjointPropagator:
                 out.copy_(g)
             return
         p = self._layer_point(s)
+        views = self.stack.views(p)
         kept = self._kept(p)
         if kept is None:
             keep: list[Tensor] = []
-            self.stack.chain.single(self.stack.views(p), self.states[p - self.offset], keep)
+            self.stack.chain.single(views, self.states[p - self.offset], keep)
             kept = self._computed[p] = ([[y] for y in keep], 0)
-        du = self.stack.chain.single_vjp(self.stack.views(p), self.states[p - self.offset], w,
-                                         [outputs[kept[1]] for outputs in kept[0]])
+        outputs, k = kept
+        du = self.stack.chain.single_vjp(views, w, [values[k] for values in outputs])
         _add_step(out, w, du, s.dt, g)
 
     def _layer_point(self, s: Step) -> int:

@@ -47,6 +47,11 @@ class Level:
         self._sends: dict[int, Request] = {}
         self._recvs: dict[int, Request] = {}
         self.version = 0   # bumped by every change of u, so results computed from it can be reused
+        # one view per row of u and g, made once (u and g are never reallocated): the
+        # sequential march takes one step at a time and would otherwise make them per step
+        self.u_rows = list(self.u)
+        self.g_rows = list(self.g) if fas else None
+        self._steps: dict[int, Step] = {}
 
     # index maths -----------------------------------------------------------
     @property
@@ -58,7 +63,11 @@ class Level:
 
     def step(self, index: int) -> Step:
         """The step from point `index` to `index + 1` on this level."""
-        return make_step(self.index, index, self.grid.stride, self.t0, self.h)
+        step = self._steps.get(index)
+        if step is None:
+            step = self._steps[index] = make_step(self.index, index, self.grid.stride, self.t0,
+                                                  self.h)
+        return step
 
     def batch(self, start: int, stride: int, count: int) -> StepBatch:
         return StepBatch(self.index, start, stride, count, self.grid.stride, self.t0, self.h)

@@ -21,7 +21,7 @@ from .propagator import Propagator
 
 def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
     """Sequentially set u_j = g_j + Phi(u_{j-1}) for j = j_from..j_to."""
-    u, g = level.u, level.g
+    u, g = level.u_rows, level.g_rows
     into = getattr(prop, "step_into", None)
     for j in range(j_from, j_to + 1):
         row = j - level.offset
@@ -29,7 +29,7 @@ def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
             into(u[row - 1], level.step(j - 1), u[row], None if g is None else g[row])
             continue
         out = prop.step(u[row - 1], level.step(j - 1))
-        u[row] = out if g is None else g[row] + out
+        u[row].copy_(out if g is None else g[row] + out)
 
 
 def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
