@@ -250,6 +250,10 @@ def test_settings_that_differ_between_virtual_ranks_fail_everywhere():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread binding here")
 def test_virtual_ranks_share_one_core_and_the_callers_cores_come_back():
     before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, before)
+    except OSError:
+        pytest.skip("this sandbox forbids binding threads to cores")
     seen = run_ranks(3, lambda comm: os.sched_getaffinity(0))
     assert seen == [{min(before)}] * 3
     assert os.sched_getaffinity(0) == before
