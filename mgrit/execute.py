@@ -54,17 +54,28 @@ class LoopExecutor:
 
 
 class BatchedExecutor:
-    """One `step_batch` call for all intervals."""
+    """One `step_batch` call for all intervals. A batch of one interval (a rank that holds
+    one interval of a coarse level) goes through the propagator's single-step `step_into`
+    when it has one: a batch of one costs a batch's overhead for one step's work."""
 
     name = "batched"
 
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
+        single = getattr(prop, "step_into", None)
+        if len(steps) == 1 and single is not None:
+            out = torch.empty_like(states)
+            single(states[0], steps[0], out[0], None)
+            return out
         return _check_output(prop.step_batch(states, steps), states, "step_batch")
 
     def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
         """Through the propagator's `step_batch_into` when it has one (no stacked temporary
         and no copy), else `step_batch` and a copy."""
+        single = getattr(prop, "step_into", None)
+        if len(steps) == 1 and single is not None:
+            single(states[0], steps[0], out[0], None if g is None else g[0])
+            return
         into = getattr(prop, "step_batch_into", None)
         if into is not None:
             into(states, steps, out, g)

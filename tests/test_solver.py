@@ -7,7 +7,9 @@ import torch
 
 import mgrit
 from mgrit.bench import W0_REFERENCE
+from mgrit.execute import make_executor
 from mgrit.problems import Dahlquist, DenseResNet
+from mgrit.propagator import StepBatch
 
 from cases import heat_problem, relative_error, resnet_problem
 
@@ -126,6 +128,42 @@ def test_loop_and_batched_relaxation_agree(name, cycle, relax, guess):
     for a, b in zip(loop.residuals, batched.residuals):
         assert abs(a - b) <= 1e-12 * max(abs(a), 1e-3 * scale)
     assert relative_error(batched.states, loop.states) <= 1e-12
+
+
+def test_a_batch_of_one_interval_takes_the_single_step_path():
+    """The batched executor hands a batch of one to `step_into` (a batch's overhead for one
+    step's work is what a rank holding one coarse interval would pay), larger batches to
+    `step_batch`; both give the propagator's steps."""
+    net = DenseResNet.random(16, 5, seed=4)
+    calls = []
+
+    class Counting:
+        def step(self, u, s):
+            return net.step(u, s)
+
+        def step_batch(self, states, steps):
+            calls.append(("batch", len(steps)))
+            return net.step_batch(states, steps)
+
+        def step_into(self, u, s, out, g):
+            calls.append(("single", s.index))
+            out.copy_(net.step(u, s) if g is None else g + net.step(u, s))
+
+    prop, executor = Counting(), make_executor("batched", Counting())
+    states = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(5),
+                         dtype=torch.float64)
+    g = torch.randn_like(states)
+    for count in (1, 3):
+        steps = StepBatch(level=1, start=1, stride=2, count=count, level_stride=2, t0=0.0,
+                          h=1 / 16)
+        expected = torch.stack([net.step(states[i], s) for i, s in enumerate(steps)])
+        calls.clear()
+        out = torch.empty_like(states[:count])
+        executor.advance_into(prop, states[:count], steps, out, g[:count])
+        assert torch.allclose(out, g[:count] + expected, rtol=1e-14, atol=1e-15)
+        assert torch.allclose(executor.advance(prop, states[:count], steps), expected,
+                              rtol=1e-14, atol=1e-15)
+        assert calls == ([("single", 1)] * 2 if count == 1 else [("batch", 3)] * 2)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
