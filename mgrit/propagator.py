@@ -87,7 +87,8 @@ class Propagator(Protocol):
     after that cycle's residual: the steps in between are one per fine step,
     taken from final values (the adjoint uses them for parameter gradients).
     An optional `step_into(u, s, out, g)` writes g + Phi(u) (g None: Phi(u)) into
-    `out`; the sequential march uses it to save a temporary and a copy per step.
+    `out`; the sequential march uses it to save a temporary and a copy per step, and
+    batched relaxation for a batch of one interval.
     """
 
     def step(self, u: Tensor, s: Step) -> Tensor: ...
