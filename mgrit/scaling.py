@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -490,18 +490,23 @@ def _launch_validation(ranks: int) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def _measurements(record: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(case, metric, its measured times and traces) of a validation record."""
+    for name, metrics in record.items():
+        if isinstance(metrics, dict) and name != "ping_pong":
+            for metric, data in metrics.items():
+                yield name, metric, data
+
+
 def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Validation records of separate launches on the same rank count as one: the measured
     times and traces of every launch (the comparison takes the fastest of each), the first
     launch's ping-pong."""
     merged = copy.deepcopy(records[0])
     for record in records[1:]:
-        for name, metrics in record.items():
-            if not isinstance(metrics, dict) or name == "ping_pong":
-                continue
-            for metric, data in metrics.items():
-                merged[name][metric]["measured"] += data["measured"]
-                merged[name][metric]["traces"] += data["traces"]
+        for name, metric, data in _measurements(record):
+            merged[name][metric]["measured"] += data["measured"]
+            merged[name][metric]["traces"] += data["traces"]
     return merged
 
 
@@ -514,15 +519,12 @@ def compare(record: dict[str, Any], network: Network) -> list[dict[str, Any]]:
     """Measured (fastest repeat) against predicted from the record's own traces (fastest
     replay), for every case and metric of a validation record."""
     rows = []
-    for name, metrics in record.items():
-        if not isinstance(metrics, dict) or name == "ping_pong":
-            continue
-        for metric, data in metrics.items():
-            measured = fastest(data["measured"])
-            predicted = fastest(replay(t, network).total for t in data["traces"])
-            rows.append({"case": name, "metric": metric, "ranks": record["ranks"],
-                         "measured": measured, "predicted_from_mpi_traces": predicted,
-                         "error": predicted / measured - 1.0})
+    for name, metric, data in _measurements(record):
+        measured = fastest(data["measured"])
+        predicted = fastest(replay(t, network).total for t in data["traces"])
+        rows.append({"case": name, "metric": metric, "ranks": record["ranks"],
+                     "measured": measured, "predicted_from_mpi_traces": predicted,
+                     "error": predicted / measured - 1.0})
     return rows
 
 
