@@ -282,6 +282,17 @@ def _add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) ->
         out.add_(g)
 
 
+def _nonzero_rows(x: Tensor) -> Tensor:
+    """Whether each entry of x (along its first dimension) holds anything but zeros; NaN
+    counts as non-zero. On large entries a maximum and a minimum beat `any`, which turns
+    every element into a bool first (W1's batch of 4 x 117600: 65 against 400 us); on small
+    ones `any`, one call, is cheaper."""
+    flat = x.reshape(len(x), -1)
+    if flat.shape[1] < 16384:
+        return flat.any(dim=1)
+    return (flat.amax(dim=1) != 0) | (flat.amin(dim=1) != 0)
+
+
 class NetworkPropagator:
     """Phi(u) = u + dt * f(u; theta_n): the forward steps of the residual network.
 
@@ -418,7 +429,7 @@ class AdjointPropagator:
         exactly zero (much of a first cycle from a zero guess) map to zero and are skipped:
         the result is the same to the bit."""
         record = self.recording and level == 0
-        nonzero = ws.reshape(len(ws), -1).any(dim=1)
+        nonzero = _nonzero_rows(ws)
         if not bool(nonzero.all()):
             out = torch.zeros_like(ws)
             if record:
@@ -456,7 +467,7 @@ class AdjointPropagator:
         if self.stack.chain is None or (self.recording and s.level == 0):
             write_result(out, self.step(w, s), g)
             return
-        if not bool(w.any()):
+        if not bool(_nonzero_rows(w[None])):
             if g is None:
                 out.zero_()
             else:
@@ -480,7 +491,8 @@ class AdjointPropagator:
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self._layer_point(s)
         u = self.states[p - self.offset]
-        if self.stack.chain is not None or (self.recording and s.level == 0) or not w.any():
+        if (self.stack.chain is not None or (self.recording and s.level == 0)
+                or not bool(_nonzero_rows(w[None]))):
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
         with torch.enable_grad():
             x = u.detach().requires_grad_()
