@@ -4,11 +4,15 @@ layers (one entry per interval of a relaxation batch)."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import native
 
 # backward of an activation from its output y and the output cotangent g (fused aten ops)
 _ACTIVATION_BACKWARD: dict[type, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
@@ -67,6 +71,78 @@ class _Linear:
         return torch.matmul(g, t[self.weight])
 
 
+# (operation, operand shapes, dtype) -> whether the native kernel computes it
+_NATIVE_CHOICE: dict[tuple, bool] = {}
+CONV_BACKENDS = ("auto", "torch")
+
+
+def conv_backend() -> str:
+    """Which convolutions the kernels use, from the environment variable MGRIT_CONV:
+    "auto" (the default: mgrit's native kernels where they are measured faster) or
+    "torch". torch.use_deterministic_algorithms(True) means "torch": a choice made by
+    timing can differ between runs."""
+    name = os.environ.get("MGRIT_CONV", "auto")
+    if name not in CONV_BACKENDS:
+        raise ValueError(f"MGRIT_CONV={name!r}: expected one of {', '.join(CONV_BACKENDS)}")
+    return "torch" if torch.are_deterministic_algorithms_enabled() else name
+
+
+def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -> bool:
+    """Whether to compute operation `name` on these operands (tensors or None) with the
+    native kernel fns[0] rather than torch's fns[1]. The first call for a set of shapes
+    times both on random operands of those shapes and keeps the native kernel where it is
+    at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers (W1's 3
+    channels: about 4 times the native kernel's time, its weight gradient twice), fast for
+    wide ones."""
+    x = operands[0]
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
+            or conv_backend() == "torch"):
+        return False
+    key = (name, x.dtype, *(None if t is None else tuple(t.shape) for t in operands))
+    chosen = _NATIVE_CHOICE.get(key)
+    if chosen is None:
+        chosen = _NATIVE_CHOICE[key] = native.available() and _native_faster(fns, operands)
+    return chosen
+
+
+def _native_faster(fns: tuple[Callable, Callable], operands: tuple) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    args = [None if t is None else torch.randn(t.shape, generator=gen, dtype=t.dtype)
+            for t in operands]
+    best = [float("inf"), float("inf")]
+    with torch.no_grad():
+        for round in range(4):   # alternated, best of three after a warm-up round
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                fn(*args)
+                if round:
+                    best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] * 1.2 <= best[1]
+
+
+def _conv2d(x: Tensor, w: Tensor, b: Tensor | None, padding: tuple[int, int]) -> Tensor:
+    """A 'same' stride-1 convolution, native or torch's (`_native_chosen`)."""
+    def ours(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return native.conv2d(x, w, b)
+
+    def theirs(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return F.conv2d(x, w, b, padding=padding)
+
+    return (ours if _native_chosen("conv2d", (ours, theirs), (x, w, b)) else theirs)(x, w, b)
+
+
+def _conv2d_weight(x: Tensor, w: Tensor, g: Tensor, padding: tuple[int, int]) -> Tensor:
+    """The gradient of _conv2d(x, w) with respect to w for the output cotangent g."""
+    def ours(x: Tensor, w: Tensor, g: Tensor) -> Tensor:
+        return native.conv2d_weight(x, w.shape, g)
+
+    def theirs(x: Tensor, w: Tensor, g: Tensor) -> Tensor:
+        return torch.nn.grad.conv2d_weight(x, w.shape, g, padding=padding)
+
+    return (ours if _native_chosen("conv2d_weight", (ours, theirs), (x, w, g))
+            else theirs)(x, w, g)
+
+
 class _Conv2d:
     """A 'same' stride-1 nn.Conv2d over a stack of layers, one layer at a time (a CPU
     runs one convolution per layer faster than a grouped one). The input gradient is a
@@ -80,29 +156,27 @@ class _Conv2d:
 
     def forward(self, t: dict[str, Tensor], x: Values) -> list[Tensor]:
         w, b = t[self.weight], t[self.bias] if self.bias else None
-        return [F.conv2d(x[i], w[i], None if b is None else b[i], padding=self.padding)
+        return [_conv2d(x[i], w[i], None if b is None else b[i], self.padding)
                 for i in range(len(x))]
 
     def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
-        return F.conv2d(x, t[self.weight], t[self.bias] if self.bias else None,
-                        padding=self.padding)
+        return _conv2d(x, t[self.weight], t[self.bias] if self.bias else None, self.padding)
 
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> list[Tensor] | None:
         w = t[self.weight]
         if grads is not None:
-            grads[self.weight] = torch.stack([
-                torch.nn.grad.conv2d_weight(x[i], w[i].shape, g[i], padding=self.padding)
-                for i in range(len(x))])
+            grads[self.weight] = torch.stack([_conv2d_weight(x[i], w[i], g[i], self.padding)
+                                              for i in range(len(x))])
             if self.bias:
                 grads[self.bias] = torch.stack([g[i].sum((0, 2, 3)) for i in range(len(x))])
         if not need_input:
             return None
-        return [F.conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), padding=self.padding)
+        return [_conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), None, self.padding)
                 for i in range(len(x))]
 
     def single_backward(self, t: dict[str, Tensor], g: Tensor) -> Tensor:
-        return F.conv2d(g, t[self.weight].transpose(0, 1).flip(2, 3), padding=self.padding)
+        return _conv2d(g, t[self.weight].transpose(0, 1).flip(2, 3), None, self.padding)
 
 
 class _Activation:

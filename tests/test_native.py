@@ -1,0 +1,155 @@
+"""The native (C) convolution kernels against torch, and their use by the layer kernels."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mgrit
+from mgrit import kernels, native
+
+from nets import build, data, owned_pairs, relative
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+# (N, Ci, Co, H, W, KH, KW): W1's layer, odd and rectangular kernels, 1x1, single pixels
+SHAPES = [(50, 3, 3, 28, 28, 3, 3), (2, 2, 5, 7, 9, 5, 5), (3, 4, 1, 5, 6, 1, 1),
+          (1, 1, 1, 1, 1, 3, 3), (2, 3, 6, 4, 11, 3, 1), (4, 5, 7, 6, 3, 1, 5),
+          (2, 9, 2, 17, 5, 3, 3)]
+
+
+def _operands(shape, dtype, seed=0):
+    n, ci, co, h, w, kh, kw = shape
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, ci, h, w, generator=gen, dtype=dtype),
+            torch.randn(co, ci, kh, kw, generator=gen, dtype=dtype),
+            torch.randn(co, generator=gen, dtype=dtype),
+            torch.randn(n, co, h, w, generator=gen, dtype=dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-6)])
+def test_conv2d_and_its_weight_gradient_equal_torch(shape, dtype, tol):
+    x, w, b, g = _operands(shape, dtype)
+    pad = (w.shape[2] // 2, w.shape[3] // 2)
+    exact = F.conv2d(x.double(), w.double(), b.double(), padding=pad)
+    for bias, ref in ((b, exact), (None, exact - b.double()[:, None, None])):
+        y = native.conv2d(x, w, bias)
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert float((y.double() - ref).norm() / ref.norm()) <= tol
+    ref = torch.nn.grad.conv2d_weight(x.double(), w.shape, g.double(), padding=pad)
+    gw = native.conv2d_weight(x, w.shape, g)
+    assert gw.dtype == dtype and float((gw.double() - ref).norm() / ref.norm()) <= tol
+
+
+@needs_native
+def test_conv2d_takes_strided_inputs_and_empty_batches():
+    x, w, b, _ = _operands(SHAPES[1], torch.float64)
+    wide = x.transpose(2, 3).contiguous().transpose(2, 3)       # same values, other strides
+    assert not wide.is_contiguous()
+    assert torch.allclose(native.conv2d(wide, w, b), F.conv2d(x, w, b, padding=2),
+                          rtol=1e-13, atol=1e-13)
+    assert native.conv2d(x[:0], w, b).shape == (0, 5, 7, 9)
+
+
+@pytest.mark.parametrize("args,error,words", [
+    (((2, 3, 5, 5), (3, 3, 2, 3), None), ValueError, "odd kernel"),
+    (((2, 3, 5, 5), (3, 4, 3, 3), None), ValueError, "Co, Ci, KH, KW"),
+    (((2, 3, 5), (3, 3, 3, 3), None), ValueError, "N, Ci, H, W"),
+    (((2, 3, 5, 5), (3, 3, 3, 3), (4,)), ValueError, "b must have shape"),
+])
+def test_conv2d_names_bad_arguments(args, error, words):
+    x, w, b = (None if s is None else torch.zeros(s) for s in args)
+    with pytest.raises(error, match=words):
+        native.conv2d(x, w, b)
+
+
+def test_conv2d_refuses_mixed_dtypes_and_a_wrong_cotangent():
+    x = torch.zeros(2, 3, 5, 5)
+    with pytest.raises(TypeError, match="w torch.float64"):
+        native.conv2d(x, torch.zeros(3, 3, 3, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        native.conv2d(x.half(), torch.zeros(3, 3, 3, 3).half())
+    with pytest.raises(ValueError, match=r"g must have shape \(2, 4, 5, 5\)"):
+        native.conv2d_weight(x, (4, 3, 3, 3), torch.zeros(2, 3, 5, 5))
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, monkeypatch):
+    """Exact solves (levels=1) of a conv network, float64, with the native kernels forced on
+    and off: output and every gradient equal serial autograd's, and the forced choice is
+    the one that ran."""
+    if forced and not native.available():
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: forced)
+    calls = []
+    for name in ("conv2d", "conv2d_weight"):
+        original = getattr(native, name)
+        monkeypatch.setattr(native, name,
+                            lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    exact = mgrit.Config(levels=1)
+    model, serial = build("conv", 7, exact, exact)
+    x, y = data("conv", 4)
+    out, ref = model(x), serial(x)
+    assert float((out - ref).detach().norm() / ref.detach().norm()) <= 1e-12
+    nn.functional.cross_entropy(out, y).backward()
+    nn.functional.cross_entropy(ref, y).backward()
+    assert relative(owned_pairs(model, serial, grad=True)) <= 1e-12
+    assert set(calls) == ({"conv2d", "conv2d_weight"} if forced else set())
+
+
+def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
+    x, w, b, _ = _operands(SHAPES[0], torch.float32)
+    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: True)
+    monkeypatch.setenv("MGRIT_CONV", "torch")
+    assert kernels.conv_backend() == "torch"
+    assert torch.equal(kernels._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
+    assert kernels._NATIVE_CHOICE == {}          # nothing was timed
+    monkeypatch.setenv("MGRIT_CONV", "fast")
+    with pytest.raises(ValueError, match="MGRIT_CONV='fast': expected one of auto, torch"):
+        kernels.conv_backend()
+    monkeypatch.delenv("MGRIT_CONV")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernels.conv_backend() == "torch"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _child(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_without_a_compiler_the_layer_kernels_use_torch(tmp_path):
+    code = ("import torch, torch.nn.functional as F\n"
+            "from mgrit import kernels, native\n"
+            "x, w = torch.randn(50, 3, 28, 28), torch.randn(3, 3, 3, 3)\n"
+            "assert not native.available()\n"
+            "assert torch.equal(kernels._conv2d(x, w, None, (1, 1)), F.conv2d(x, w, padding=1))\n"
+            "assert not any(kernels._NATIVE_CHOICE.values())\n"
+            "try:\n    native.conv2d(x, w)\nexcept RuntimeError as err:\n    print(err)\n")
+    proc = _child(code, CC=str(tmp_path / "no-such-cc"), MGRIT_CACHE_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot be loaded" in proc.stdout and "no-such-cc" in proc.stdout
+
+
+@needs_native
+def test_the_library_is_built_once_into_the_cache(tmp_path):
+    code = "from mgrit import native\nassert native.available()\nprint(native.library()._name)"
+    first = _child(code, MGRIT_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    path = first.stdout.strip()
+    assert os.path.dirname(path) == str(tmp_path)
+    built = os.stat(path).st_mtime_ns
+    second = _child(code, MGRIT_CACHE_DIR=str(tmp_path))
+    assert second.returncode == 0 and second.stdout.strip() == path, second.stderr
+    assert os.stat(path).st_mtime_ns == built
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
