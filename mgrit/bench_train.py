@@ -8,6 +8,7 @@ in the same invocation.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -166,6 +167,28 @@ def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict
     return {"train_step": step, "forward": forward, "stats": stats}
 
 
+TORCH_CONV = "layer-parallel mgrit, torch convolutions"
+
+
+def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
+                           ) -> dict[str, dict[str, Any]]:
+    """The layer-parallel model's times; for a network with convolutions also with torch's
+    convolutions in place of the native kernels (MGRIT_CONV=torch), which is how much of
+    its speed those kernels give."""
+    out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
+    if any(isinstance(m, nn.Conv2d) for m in work.network().step().modules()):
+        saved = os.environ.get("MGRIT_CONV")
+        os.environ["MGRIT_CONV"] = "torch"
+        try:
+            out[TORCH_CONV] = layer_parallel_times(work, repeats, comm)
+        finally:
+            if saved is None:
+                del os.environ["MGRIT_CONV"]
+            else:
+                os.environ["MGRIT_CONV"] = saved
+    return out
+
+
 def baseline_times(work: Workload, repeats: int, comm: Any) -> dict[str, dict[str, float]]:
     """Layer-wise model parallelism and GPipe over the ranks of `comm`, same network."""
     x, y = work.inputs(torch.Generator().manual_seed(1))
@@ -191,7 +214,7 @@ def worker(name: str, repeats: int, out: Path) -> None:
         record = train_digits(comm=comm)
     else:
         work = WORKLOADS[name]()
-        record = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
+        record = layer_parallel_methods(work, repeats, comm)
         if comm.size > 1:
             record.update(baseline_times(work, repeats, comm))
     if comm.rank == 0:
@@ -203,8 +226,8 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     """Serial PyTorch and the layer-parallel model on each rank count, as records."""
     work = WORKLOADS[name]()
     serial = serial_times(work, repeats)
-    runs = {p: ({"layer-parallel mgrit": layer_parallel_times(work, repeats)} if p == 1
-                else launch(name, p, repeats)) for p in ranks}
+    runs = {p: layer_parallel_methods(work, repeats) if p == 1 else launch(name, p, repeats)
+            for p in ranks}
     records = []
     mgrit_name = "layer-parallel mgrit"
     for metric in ("train_step", "forward"):

@@ -153,3 +153,20 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
     assert second.returncode == 0 and second.stdout.strip() == path, second.stderr
     assert os.stat(path).st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+
+
+@pytest.mark.parametrize("name,methods", [
+    ("w1", ["layer-parallel mgrit", "layer-parallel mgrit, torch convolutions"]),
+    ("w2", ["layer-parallel mgrit"])])
+def test_the_bench_times_conv_networks_also_with_torch_convolutions(name, methods, monkeypatch):
+    from mgrit import bench_train
+
+    seen = []
+    monkeypatch.setattr(bench_train, "layer_parallel_times",
+                        lambda work, repeats, comm=None: seen.append(
+                            (kernels.conv_backend(), os.environ.get("MGRIT_CONV"))) or {})
+    monkeypatch.setenv("MGRIT_CONV", "auto")
+    out = bench_train.layer_parallel_methods(bench_train.WORKLOADS[name](), 1)
+    assert list(out) == methods
+    assert seen == [("auto", "auto"), ("torch", "torch")][:len(methods)]
+    assert os.environ["MGRIT_CONV"] == "auto"
