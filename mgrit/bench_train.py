@@ -8,7 +8,6 @@ in the same invocation.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 from . import models
 from .config import Config
 from .data import digits
+from .kernels import torch_convolutions
 from .baselines import GPipe, LayerwiseModelParallel
 from .nn import LayerParallel, serial_resnet
 from .train import evaluate, train_epoch
@@ -177,15 +177,8 @@ def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
     its speed those kernels give."""
     out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
     if any(isinstance(m, nn.Conv2d) for m in work.network().step().modules()):
-        saved = os.environ.get("MGRIT_CONV")
-        os.environ["MGRIT_CONV"] = "torch"
-        try:
+        with torch_convolutions():
             out[TORCH_CONV] = layer_parallel_times(work, repeats, comm)
-        finally:
-            if saved is None:
-                del os.environ["MGRIT_CONV"]
-            else:
-                os.environ["MGRIT_CONV"] = saved
     return out
 
 

@@ -4,9 +4,10 @@ layers (one entry per interval of a relaxation batch)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,21 @@ def conv_backend() -> str:
     if name not in CONV_BACKENDS:
         raise ValueError(f"MGRIT_CONV={name!r}: expected one of {', '.join(CONV_BACKENDS)}")
     return "torch" if torch.are_deterministic_algorithms_enabled() else name
+
+
+@contextlib.contextmanager
+def torch_convolutions() -> Iterator[None]:
+    """Torch's convolutions while the context is entered, in this process and the ones it
+    starts (MGRIT_CONV=torch); the variable's previous value comes back after."""
+    saved = os.environ.get("MGRIT_CONV")
+    os.environ["MGRIT_CONV"] = "torch"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MGRIT_CONV"]
+        else:
+            os.environ["MGRIT_CONV"] = saved
 
 
 def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -> bool:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
+from mgrit.kernels import torch_convolutions
 from mgrit.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
                            network_from, serial_seconds, virtual_checks)
 from mgrit.trace import (Network, ReplayError, Tracer, TracingComm, VirtualFailure,
@@ -340,7 +341,8 @@ def test_kernel_costs_charge_convolutions_with_the_real_output_shape(stride, pad
 
 def test_charged_convolutions_keep_the_solver_course():
     """Stand-in kernels must not change what the solver does: the same cycles, the same
-    messages and as many convolutions as real kernels."""
+    messages and as many convolutions as real kernels (torch's, which the stand-ins
+    replace: the study computes with those)."""
     x, y = data("conv", 4)
 
     def run(kernels):
@@ -358,15 +360,18 @@ def test_charged_convolutions_keep_the_solver_course():
             return run_ranks(2, program)
 
     real_calls = []
+    saved = os.environ.get("MGRIT_CONV")
     conv2d, conv2d_weight = F.conv2d, torch.nn.grad.conv2d_weight
     F.conv2d = lambda *a, **k: real_calls.append(1) or conv2d(*a, **k)
     torch.nn.grad.conv2d_weight = lambda *a, **k: real_calls.append(1) or conv2d_weight(*a, **k)
     try:
-        real = run(None)
+        with torch_convolutions():
+            real = run(None)
     finally:
         F.conv2d, torch.nn.grad.conv2d_weight = conv2d, conv2d_weight
     kernels = KernelCosts()
     assert run(kernels) == real
+    assert os.environ.get("MGRIT_CONV") == saved      # the stand-ins' switch is undone
     assert real[0][0] == [2, 1]
     assert kernels.calls == len(real_calls) > 0
 
