@@ -18,12 +18,13 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from .native import LazyLibrary
 
 __all__ = ["available", "library", "dense_step", "dense_step_vjp", "dense_step_reference",
            "dense_step_vjp_reference"]
@@ -32,8 +33,6 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 LIBRARY_PATH = CUDA_DIR / "build" / "libmgrit_cuda.so"
 
 _log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_loaded: ctypes.CDLL | Exception | None = None
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -69,19 +68,13 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+_library = LazyLibrary("mgrit CUDA kernels", lambda: _load())
+
+
 def library() -> ctypes.CDLL:
     """The kernel library, compiled first if missing or older than its source. A failure
     (no nvcc, compile error) is raised again on later calls without another attempt."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _loaded = _load()
-            except Exception as err:  # remembered for every later call
-                _loaded = err
-    if isinstance(_loaded, Exception):
-        raise RuntimeError(f"the mgrit CUDA kernels cannot be loaded: {_loaded}") from _loaded
-    return _loaded
+    return _library.get()
 
 
 def available() -> bool:

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,8 +32,6 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "conv2d.c"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
 
 _log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_loaded: ctypes.CDLL | Exception | None = None
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
@@ -107,21 +106,40 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+class LazyLibrary:
+    """A ctypes library that `load` builds and opens on first use. A failure (no compiler,
+    compile error, a folder that cannot be written) is remembered and raised again on later
+    calls without another attempt."""
+
+    def __init__(self, what: str, load: Callable[[], ctypes.CDLL]) -> None:
+        self.what, self.load = what, load
+        self._lock = threading.Lock()
+        self._loaded: ctypes.CDLL | Exception | None = None
+
+    def fresh(self) -> "LazyLibrary":
+        """The same library, not loaded yet (tests)."""
+        return LazyLibrary(self.what, self.load)
+
+    def get(self) -> ctypes.CDLL:
+        with self._lock:
+            if self._loaded is None:
+                try:
+                    self._loaded = self.load()
+                except Exception as err:  # remembered for every later call
+                    _log.info("%s unavailable: %s", self.what, err)
+                    self._loaded = err
+        if isinstance(self._loaded, Exception):
+            raise RuntimeError(f"the {self.what} cannot be loaded: {self._loaded}"
+                               ) from self._loaded
+        return self._loaded
+
+
+_library = LazyLibrary("mgrit native kernels", lambda: _load())
+
+
 def library() -> ctypes.CDLL:
-    """The kernel library, built first if it is not in the cache. A failure (no compiler,
-    compile error, a cache folder that cannot be written) is raised again on later calls
-    without another attempt."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _loaded = _load()
-            except Exception as err:  # remembered for every later call
-                _log.info("mgrit native kernels unavailable: %s", err)
-                _loaded = err
-    if isinstance(_loaded, Exception):
-        raise RuntimeError(f"the mgrit native kernels cannot be loaded: {_loaded}") from _loaded
-    return _loaded
+    """The kernel library, built first if it is not in the cache (see LazyLibrary)."""
+    return _library.get()
 
 
 def available() -> bool:

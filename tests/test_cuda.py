@@ -105,17 +105,17 @@ def test_build_script_without_nvcc_fails_clearly(tmp_path):
 def test_library_is_built_on_first_use_and_rebuilt_when_stale(tmp_path, monkeypatch):
     path = tmp_path / "libmgrit_cuda.so"
     monkeypatch.setattr(cuda, "LIBRARY_PATH", path)
-    monkeypatch.setattr(cuda, "_loaded", None)
+    monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
     assert cuda.library().mgrit_dense_max_width(8) == 3072 and path.is_file()
     os.utime(path, (0, 0))  # older than the source
-    monkeypatch.setattr(cuda, "_loaded", None)
+    monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
     cuda.library()
     assert path.stat().st_mtime > 0
 
 
 def test_library_failure_is_reported_and_remembered(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda, "LIBRARY_PATH", tmp_path / "libmgrit_cuda.so")
-    monkeypatch.setattr(cuda, "_loaded", None)
+    monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
     monkeypatch.setenv("NVCC", str(tmp_path / "no-such-nvcc"))
     with pytest.raises(RuntimeError, match="cannot be loaded: .*no-such-nvcc"):
         cuda.library()

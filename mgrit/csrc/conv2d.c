@@ -24,6 +24,22 @@
 #define TILE_VECTORS 2   /* vectors of outputs per tile */
 #define CHANNEL_BLOCK 4  /* output channels per block */
 
+/* offset[k] of tap k = (c, ky, kx) in a padded image of `plane` values, rows of wp */
+static void tap_offsets(int64_t *offset, int64_t ci, int64_t kh, int64_t kw, int64_t plane,
+                        int64_t wp) {
+    for (int64_t c = 0, k = 0; c < ci; ++c)
+        for (int64_t ky = 0; ky < kh; ++ky)
+            for (int64_t kx = 0; kx < kw; ++kx) offset[k++] = c * plane + ky * wp + kx;
+}
+
+/* copy `channels` dense planes of h rows of wd values from src into dst, where planes start
+ * `plane` values apart and rows wp values apart (a statement; dst and src of one type) */
+#define TO_ROWS(dst, plane, wp, src, channels, h, wd)                                      \
+    for (int64_t c_ = 0; c_ < (channels); ++c_)                                            \
+        for (int64_t r_ = 0; r_ < (h); ++r_)                                               \
+            memcpy((dst) + c_ * (plane) + r_ * (wp), (src) + (c_ * (h) + r_) * (wd),       \
+                   (wd) * sizeof *(src))
+
 #define DEFINE_CONV2D(T, SUFFIX)                                                           \
 typedef T vec_##SUFFIX __attribute__((vector_size(64)));                                   \
 enum { LANES_##SUFFIX = 64 / sizeof(T) };                                                  \
@@ -45,15 +61,10 @@ int mgrit_conv2d_##SUFFIX(const T *x, const T *w, const T *b, T *y, int64_t n, i
         return 1;                                                                          \
     }                                                                                      \
     memcpy(wt, w, co * taps * sizeof(T));                                                  \
-    for (int64_t c = 0, k = 0; c < ci; ++c)                                                \
-        for (int64_t ky = 0; ky < kh; ++ky)                                                \
-            for (int64_t kx = 0; kx < kw; ++kx) offset[k++] = c * plane + ky * wp + kx;   \
+    tap_offsets(offset, ci, kh, kw, plane, wp);                                            \
     for (int64_t s = 0; s < n; ++s) {                                                      \
         const T *xs = x + s * ci * h * wd;                                                 \
-        for (int64_t c = 0; c < ci; ++c)                                                   \
-            for (int64_t r = 0; r < h; ++r)                                                \
-                memcpy(pad + c * plane + (r + kh / 2) * wp + kw / 2, xs + (c * h + r) * wd, \
-                       wd * sizeof(T));                                                    \
+        TO_ROWS(pad + kh / 2 * wp + kw / 2, plane, wp, xs, ci, h, wd);                     \
         for (int64_t o0 = 0; o0 < cob; o0 += CHANNEL_BLOCK) {                              \
             const T *wb = wt + o0 * taps;                                                  \
             for (int64_t i0 = 0; i0 < rows; i0 += tile) {                                  \
@@ -102,18 +113,11 @@ int mgrit_conv2d_weight_##SUFFIX(const T *x, const T *g, T *gw, int64_t n, int64
         free(pad); free(gl); free(sum); free(offset);                                      \
         return 1;                                                                          \
     }                                                                                      \
-    for (int64_t c = 0, k = 0; c < ci; ++c)                                                \
-        for (int64_t ky = 0; ky < kh; ++ky)                                                \
-            for (int64_t kx = 0; kx < kw; ++kx) offset[k++] = c * plane + ky * wp + kx;   \
+    tap_offsets(offset, ci, kh, kw, plane, wp);                                            \
     for (int64_t s = 0; s < n; ++s) {                                                      \
         const T *xs = x + s * ci * h * wd, *gs = g + s * co * h * wd;                      \
-        for (int64_t c = 0; c < ci; ++c)                                                   \
-            for (int64_t r = 0; r < h; ++r)                                                \
-                memcpy(pad + c * plane + (r + kh / 2) * wp + kw / 2, xs + (c * h + r) * wd, \
-                       wd * sizeof(T));                                                    \
-        for (int64_t o = 0; o < co; ++o)                                                   \
-            for (int64_t r = 0; r < h; ++r)                                                \
-                memcpy(gl + o * rows + r * wp, gs + (o * h + r) * wd, wd * sizeof(T));     \
+        TO_ROWS(pad + kh / 2 * wp + kw / 2, plane, wp, xs, ci, h, wd);                     \
+        TO_ROWS(gl, rows, wp, gs, co, h, wd);                                              \
         for (int64_t k = 0; k < taps; ++k) {                                               \
             for (int64_t o0 = 0; o0 < cob; o0 += CHANNEL_BLOCK) {                          \
                 vec acc[CHANNEL_BLOCK][TILE_VECTORS] = {{{0}}};                            \
