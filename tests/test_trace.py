@@ -402,9 +402,10 @@ def test_predictions_match_measured_times_on_one_and_two_ranks(mpi):
     (docs/scaling.md); here the bounds catch a model that loses or double-counts work while
     leaving room for the slow phases of a shared machine (up to twice the CPU time for
     seconds at a time), which can hit a measurement and its prediction at different moments.
-    A slow phase can still hit one side by a factor of two, so a miss is measured once more:
-    lost or double-counted work misses both times."""
-    for attempt in range(2):
+    A slow phase can still hit one side by a factor of two, so a miss is measured again, up
+    to three times in all (two were not always enough on a day of long slow phases): lost or
+    double-counted work misses every time."""
+    for attempt in range(3):
         misses = _prediction_misses(mpi)
         if not misses:
             break
