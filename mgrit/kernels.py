@@ -109,11 +109,13 @@ def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -
     times both on random operands of those shapes and keeps the native kernel where it is
     at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers (W1's 3
     channels: about 4 times the native kernel's time, its weight gradient twice), fast for
-    wide ones."""
+    wide ones. Operands that autograd tracks always go to torch."""
     x = operands[0]
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or conv_backend() == "torch"):
         return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
+        return False             # the native kernels record no autograd graph
     key = (name, x.dtype, *(None if t is None else tuple(t.shape) for t in operands))
     chosen = _NATIVE_CHOICE.get(key)
     if chosen is None:

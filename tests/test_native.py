@@ -104,6 +104,19 @@ def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, mon
     assert set(calls) == ({"conv2d", "conv2d_weight"} if forced else set())
 
 
+def test_operands_that_autograd_tracks_go_to_torch(monkeypatch):
+    x, w, b, _ = _operands(SHAPES[1], torch.float64)
+    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: True)
+    w.requires_grad_()
+    y = kernels._conv2d(x, w, b, (2, 2))
+    y.sum().backward()
+    ref = torch.nn.grad.conv2d_weight(x, w.shape, torch.ones_like(y), padding=2)
+    assert torch.allclose(w.grad, ref, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():         # the same operands without a graph take the native kernel
+        assert kernels._native_chosen("conv2d", (None, None), (x, w, b))
+
+
 def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
     monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
