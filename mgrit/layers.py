@@ -437,7 +437,12 @@ class AdjointPropagator:
                          if k in self.stack.names}
                 self.gradients.append((layers, zeros, dt))
             keep = torch.nonzero(nonzero).flatten()
-            if len(keep):
+            if len(keep) == 1 and not record and self.stack.chain is not None:
+                # a lone non-zero entry (the first cycle's front on the rank that starts the
+                # backward solve) takes the single-step VJP, not a batch of one
+                i = int(keep[0])
+                torch.add(ws[i], self._single_du(layers[i], ws[i]), alpha=dt, out=out[i])
+            elif len(keep):
                 out[keep] = self._vjp({k: v.index_select(0, keep) for k, v in tensors.items()},
                                       us.index_select(0, keep), ws.index_select(0, keep),
                                       [layers[i] for i in keep.tolist()], level, dt)
@@ -473,7 +478,11 @@ class AdjointPropagator:
             else:
                 out.copy_(g)
             return
-        p = self._layer_point(s)
+        _add_step(out, w, self._single_du(self._layer_point(s), w), s.dt, g)
+
+    def _single_du(self, p: int, w: Tensor) -> Tensor:
+        """(df/du)^T w for layer p at forward state p, one state, with plain calls from the
+        op outputs kept for layer p (computed now, and kept, if there are none)."""
         views = self.stack.views(p)
         kept = self._kept(p)
         if kept is None:
@@ -481,8 +490,7 @@ class AdjointPropagator:
             self.stack.chain.single(views, self.states[p - self.offset], keep)
             kept = self._computed[p] = ([[y] for y in keep], 0)
         outputs, k = kept
-        du = self.stack.chain.single_vjp(views, w, [values[k] for values in outputs])
-        _add_step(out, w, du, s.dt, g)
+        return self.stack.chain.single_vjp(views, w, [values[k] for values in outputs])
 
     def _layer_point(self, s: Step) -> int:
         """The forward point p whose layer and state step s of the adjoint uses."""

@@ -274,3 +274,35 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     (grads, evals), (grads_plain, evals_plain) = runs[True], runs[False]
     assert relative(list(zip(grads, grads_plain))) <= 1e-13
     assert 0 < evals < evals_plain
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, monkeypatch):
+    """A batch of adjoint states of which one is non-zero (the front of a first backward
+    cycle) gives that entry its VJP through the single-step path, zeros elsewhere: the same
+    numbers as autograd on the layer."""
+    from mgrit.layers import AdjointPropagator
+    from mgrit.propagator import StepBatch
+
+    model, _ = build(kind, 16)
+    x, _ = data(kind, 4)
+    shape = model.opening(x).shape
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(17, *shape, generator=gen, dtype=torch.float64)
+    prop = AdjointPropagator(model.layers, 16, [1, 2, 4], states, 0, batched=True)
+    prop.begin()
+    singles = []
+    single_du = AdjointPropagator._single_du
+    monkeypatch.setattr(AdjointPropagator, "_single_du",
+                        lambda self, p, w: singles.append(p) or single_du(self, p, w))
+    batch = StepBatch(1, 1, 2, 3, 2, 0.0, 1 / 16)        # level 1, steps 1, 3, 5
+    ws = torch.zeros(3, *shape, dtype=torch.float64)
+    ws[1] = torch.randn(shape, generator=gen, dtype=torch.float64)
+    out = prop.step_batch(ws, batch)
+    p = prop._layer_point(batch[1])
+    assert singles == [p]
+    u = states[p].clone().requires_grad_()
+    with torch.enable_grad():
+        ref = ws[1] + batch.dt * torch.autograd.grad(model.layers.module(p)(u), u, ws[1])[0]
+    assert torch.allclose(out[1], ref, rtol=1e-12, atol=1e-14)
+    assert not out[0].any() and not out[2].any()
