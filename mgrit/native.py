@@ -55,13 +55,18 @@ def _cache_dir() -> Path:
 
 
 def _cpu() -> str:
+    """The CPU's model and instruction-set features (what -march=native compiles for): a
+    model name alone, such as "AMD EPYC", covers generations with different vector units."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    seen: dict[str, str] = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags", "Features", "CPU part") and key not in seen:
+            seen[key] = line
+    return "\n".join(seen.values()) or platform.processor()
 
 
 def _build(cc: str, flags: list[str]) -> Path:

@@ -183,3 +183,17 @@ def test_the_bench_times_conv_networks_also_with_torch_convolutions(name, method
     assert list(out) == methods
     assert seen == [("auto", "auto"), ("torch", "torch")][:len(methods)]
     assert os.environ["MGRIT_CONV"] == "auto"
+
+
+@needs_native
+def test_a_cpu_with_other_features_gets_its_own_build(tmp_path, monkeypatch):
+    """-march=native code built on one CPU can fault on another of the same model name with
+    other vector units: the cache key holds the CPU's feature flags."""
+    if os.path.exists("/proc/cpuinfo"):
+        assert "flags" in native._cpu() or "Features" in native._cpu()
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path))
+    paths = []
+    for flags in ("flags : sse2 avx2", "flags : sse2 avx2 avx512f"):
+        monkeypatch.setattr(native, "_cpu", lambda f=flags: "model name : AMD EPYC\n" + f)
+        paths.append(native._build(native._compiler(), ["-O3"]))
+    assert paths[0] != paths[1] and all(p.exists() for p in paths)
