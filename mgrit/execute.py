@@ -3,7 +3,7 @@ groups of intervals on separate CUDA streams."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -53,16 +53,22 @@ class LoopExecutor:
         write_result(out, self.advance(prop, states, steps), g)
 
 
+def _single_step(prop: Propagator, steps: StepBatch) -> Callable[..., None] | None:
+    """The propagator's single-step `step_into` for a batch of one interval (a rank that
+    holds one interval of a coarse level), where it has one; else None. A batch of one
+    costs a batch's overhead for one step's work."""
+    return getattr(prop, "step_into", None) if len(steps) == 1 else None
+
+
 class BatchedExecutor:
-    """One `step_batch` call for all intervals. A batch of one interval (a rank that holds
-    one interval of a coarse level) goes through the propagator's single-step `step_into`
-    when it has one: a batch of one costs a batch's overhead for one step's work."""
+    """One `step_batch` call for all intervals; a batch of one interval through
+    `_single_step`."""
 
     name = "batched"
 
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
-        single = getattr(prop, "step_into", None)
-        if len(steps) == 1 and single is not None:
+        single = _single_step(prop, steps)
+        if single is not None:
             out = torch.empty_like(states)
             single(states[0], steps[0], out[0], None)
             return out
@@ -72,8 +78,8 @@ class BatchedExecutor:
                      g: Tensor | None) -> None:
         """Through the propagator's `step_batch_into` when it has one (no stacked temporary
         and no copy), else `step_batch` and a copy."""
-        single = getattr(prop, "step_into", None)
-        if len(steps) == 1 and single is not None:
+        single = _single_step(prop, steps)
+        if single is not None:
             single(states[0], steps[0], out[0], None if g is None else g[0])
             return
         into = getattr(prop, "step_batch_into", None)
