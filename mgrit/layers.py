@@ -257,13 +257,12 @@ class LayerStack(nn.Module):
 
     def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
                   want_input: bool = True, want_params: bool = False,
-                  kept: list[tuple[list, int]] | None = None
+                  values: list | None = None
                   ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
         """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
-        batch, from one forward pass per layer (none for a chain whose ops' outputs at
-        `states` were kept, see `Chain.gather_values`)."""
+        batch, from one forward pass per layer (none for a chain given `values`, its ops'
+        outputs at `states` as `Chain.gather_values` returns them)."""
         if self.chain is not None:
-            values = None if kept is None else self.chain.gather_values(states, kept)
             return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
         params = {k: v for k, v in tensors.items() if k in self.names}
         buffers = {k: v for k, v in tensors.items() if k not in self.names}
@@ -282,15 +281,24 @@ def _add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) ->
         out.add_(g)
 
 
-def _nonzero_rows(x: Tensor) -> Tensor:
+def _nonzero_rows(x: Tensor) -> list[bool]:
     """Whether each entry of x (along its first dimension) holds anything but zeros; NaN
     counts as non-zero. On large entries a maximum and a minimum beat `any`, which turns
     every element into a bool first (W1's batch of 4 x 117600: 65 against 400 us); on small
-    ones `any`, one call, is cheaper."""
+    ones `any`, one call, is cheaper. The answer comes back as one list: reducing it with
+    more tensor calls would cost more than the check (W2's batch of 3: 9 against 5 us)."""
     flat = x.reshape(len(x), -1)
     if flat.shape[1] < 16384:
-        return flat.any(dim=1)
-    return (flat.amax(dim=1) != 0) | (flat.amin(dim=1) != 0)
+        return flat.any(dim=1).tolist()
+    return ((flat.amax(dim=1) != 0) | (flat.amin(dim=1) != 0)).tolist()
+
+
+def _is_nonzero(x: Tensor) -> bool:
+    """Whether one state holds anything but zeros (NaN counts): the sequential march's
+    check, two calls for a small state (W2: 4 against 10 us as a batch of one)."""
+    if x.numel() < 16384:
+        return bool(x.any())
+    return _nonzero_rows(x[None])[0]
 
 
 class NetworkPropagator:
@@ -400,7 +408,10 @@ class AdjointPropagator:
         # (layers, parameter cotangents of that batch, dt), in the order they were taken;
         # a later entry for a layer replaces an earlier one
         self.gradients: list[tuple[list[int], dict[str, Tensor], float]] = []
-        self._gathered: dict[tuple[int, int, int], tuple[list[int], Tensor]] = {}
+        # (first point, stride, count) of a batch -> [its points, their forward states, the
+        # chain's op outputs there (None until its first VJP)]: all fixed for a whole
+        # backward solve, so gathered once
+        self._gathered: dict[tuple[int, int, int], list] = {}
         # op outputs at a forward point that the forward pass did not keep, computed at their
         # first use in this backward solve (same form as `outputs`)
         self._computed: dict[int, tuple[list, int]] = {}
@@ -423,29 +434,42 @@ class AdjointPropagator:
         kept = self.outputs.get(p) if self.outputs else None
         return kept if kept is not None else self._computed.get(p)
 
+    def _values(self, tensors: dict[str, Tensor], us: Tensor, layers: list[int]) -> list:
+        """The chain's op outputs for a batch of layers at their forward states: gathered
+        from kept ones, or computed (and kept) if any layer has none."""
+        chain = self.stack.chain
+        kept = [self._kept(p) for p in layers]
+        if any(k is None for k in kept):
+            _, outputs = chain.forward_values(tensors, us)
+            kept = [(outputs, i) for i in range(len(layers))]
+            self._computed.update(zip(layers, kept))
+        return chain.gather_values(us, kept)
+
     def _vjp(self, tensors: dict[str, Tensor], us: Tensor, ws: Tensor, layers: list[int],
-             level: int, dt: float) -> Tensor:
-        """ws + dt (df/du)^T ws for a batch. The adjoint is linear in w, so entries whose w is
-        exactly zero (much of a first cycle from a zero guess) map to zero and are skipped:
-        the result is the same to the bit."""
+             level: int, dt: float, batch: list | None = None) -> Tensor:
+        """ws + dt (df/du)^T ws for a batch (`batch`: its entry of `_gathered`, where the op
+        outputs are kept for the next call). The adjoint is linear in w, so entries whose w
+        is exactly zero (much of a first cycle from a zero guess) map to zero and are
+        skipped: the result is the same to the bit."""
         record = self.recording and level == 0
         nonzero = _nonzero_rows(ws)
-        if not bool(nonzero.all()):
+        if not all(nonzero):
             out = torch.zeros_like(ws)
             if record:
                 zeros = {k: torch.zeros_like(v) for k, v in tensors.items()
                          if k in self.stack.names}
                 self.gradients.append((layers, zeros, dt))
-            keep = torch.nonzero(nonzero).flatten()
+            keep = [i for i, nz in enumerate(nonzero) if nz]
             if len(keep) == 1 and not record and self.stack.chain is not None:
                 # a lone non-zero entry (the first cycle's front on the rank that starts the
                 # backward solve) takes the single-step VJP, not a batch of one
-                i = int(keep[0])
+                i = keep[0]
                 torch.add(ws[i], self._single_du(layers[i], ws[i]), alpha=dt, out=out[i])
-            elif len(keep):
-                out[keep] = self._vjp({k: v.index_select(0, keep) for k, v in tensors.items()},
-                                      us.index_select(0, keep), ws.index_select(0, keep),
-                                      [layers[i] for i in keep.tolist()], level, dt)
+            elif keep:
+                index = torch.tensor(keep, device=ws.device)
+                out[index] = self._vjp({k: v.index_select(0, index) for k, v in tensors.items()},
+                                       us.index_select(0, index), ws.index_select(0, index),
+                                       [layers[i] for i in keep], level, dt)
             return out
         if not record and _use_cuda_kernels(self.stack, ws):
             from .cuda import dense_step_vjp
@@ -453,15 +477,15 @@ class AdjointPropagator:
             shape = (len(ws), -1, ws.shape[-1])
             return dense_step_vjp(us.reshape(shape), tensors["0.weight"], tensors["0.bias"],
                                   ws.reshape(shape), dt).reshape(ws.shape)
-        kept = None
+        values = None
         if self.stack.chain is not None:
-            kept = [self._kept(p) for p in layers]
-            if any(k is None for k in kept):
-                _, outputs = self.stack.chain.forward_values(tensors, us)
-                kept = [(outputs, i) for i in range(len(layers))]
-                self._computed.update(zip(layers, kept))
+            values = batch[2] if batch is not None else None
+            if values is None:
+                values = self._values(tensors, us, layers)
+                if batch is not None:
+                    batch[2] = values
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
-                                      kept=kept)
+                                      values=values)
         if record:
             self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
@@ -472,7 +496,7 @@ class AdjointPropagator:
         if self.stack.chain is None or (self.recording and s.level == 0):
             write_result(out, self.step(w, s), g)
             return
-        if not bool(_nonzero_rows(w[None])):
+        if not _is_nonzero(w):
             if g is None:
                 out.zero_()
             else:
@@ -500,7 +524,7 @@ class AdjointPropagator:
         p = self._layer_point(s)
         u = self.states[p - self.offset]
         if (self.stack.chain is not None or (self.recording and s.level == 0)
-                or not bool(_nonzero_rows(w[None]))):
+                or not _is_nonzero(w)):
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
         with torch.enable_grad():
             x = u.detach().requires_grad_()
@@ -511,13 +535,11 @@ class AdjointPropagator:
         m = self.strides[steps.level]
         first = self.num_steps - steps.start * m - m
         stride = -steps.stride * m
-        # the forward states of a batch are fixed for a whole backward solve: gathered once
         key = (first, stride, steps.count)
-        cached = self._gathered.get(key)
-        if cached is None:
+        batch = self._gathered.get(key)
+        if batch is None:
             points = torch.arange(first, first + stride * steps.count, stride)
             us = self.states.index_select(0, (points - self.offset).to(self.states.device))
-            cached = (points.tolist(), us)
-            self._gathered[key] = cached
+            batch = self._gathered[key] = [points.tolist(), us, None]
         tensors = self.stack.rows(first, stride, steps.count)
-        return self._vjp(tensors, cached[1], ws, cached[0], steps.level, steps.dt)
+        return self._vjp(tensors, batch[1], ws, batch[0], steps.level, steps.dt, batch)
