@@ -109,14 +109,17 @@ def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -
     times both on random operands of those shapes and keeps the native kernel where it is
     at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers (W1's 3
     channels: about 4 times the native kernel's time, its weight gradient twice), fast for
-    wide ones. Operands that autograd tracks always go to torch."""
+    wide ones. The choice holds for torch's thread count at the time (the native kernel
+    runs on one thread, torch's on all it may use) and is made again for another count.
+    Operands that autograd tracks always go to torch."""
     x = operands[0]
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or conv_backend() == "torch"):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False             # the native kernels record no autograd graph
-    key = (name, x.dtype, *(None if t is None else tuple(t.shape) for t in operands))
+    key = (name, x.dtype, torch.get_num_threads(),
+           *(None if t is None else tuple(t.shape) for t in operands))
     chosen = _NATIVE_CHOICE.get(key)
     if chosen is None:
         chosen = _NATIVE_CHOICE[key] = native.available() and _native_faster(fns, operands)

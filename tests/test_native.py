@@ -117,6 +117,26 @@ def test_operands_that_autograd_tracks_go_to_torch(monkeypatch):
         assert kernels._native_chosen("conv2d", (None, None), (x, w, b))
 
 
+def test_the_choice_is_made_again_for_another_thread_count(monkeypatch):
+    """torch's convolutions use every thread they may, the native kernel one: a choice timed
+    at one thread count does not hold at another."""
+    x, w, b, _ = _operands(SHAPES[0], torch.float32)
+    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(native, "available", lambda: True)
+    timed = []
+    monkeypatch.setattr(kernels, "_native_faster",
+                        lambda fns, operands: timed.append(torch.get_num_threads()) or
+                        torch.get_num_threads() == 1)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1, 2):
+            torch.set_num_threads(n)
+            assert kernels._native_chosen("conv2d", (None, None), (x, w, b)) == (n == 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == [1, 2]           # once per thread count
+
+
 def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
     monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
