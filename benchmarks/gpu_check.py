@@ -6,11 +6,16 @@ Sections, each run in its own process and written to DIR/gpu_check.json as soon 
   kernels_vs_twins  max relative error max|kernel - twin| / max|twin| of each kernel
                     (asserted: float64 <= 1e-12, float32 <= 1e-5)
   kernel_timing     kernels against their twins, B = 256 intervals, d = 32, S = 1 and 32
+  executors         the batched and the stream executor against their twin, the loop
+                    executor: one W2 and W2b training step (output and every gradient,
+                    asserted: float64 <= 1e-12, float32 <= 1e-4 relative), then each
+                    executor's forward pass and training step, medians of --repeats
   model_timing      serial PyTorch against layer-parallel MGRIT (one rank) on W2 and W2b:
                     forward pass and training step, medians of --repeats
 A failing section is recorded with its error and the others still run; the exit status is
 1 if any failed, 2 without a CUDA device. `--device cpu` is a dry run of the script on a
-machine without a GPU: the kernel sections are skipped, model_timing runs on the CPU.
+machine without a GPU: the kernel sections are skipped, executors and model_timing run on the CPU (where the
+stream executor is the loop).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +45,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 CHECK_SHAPES = [(256, 1, 32), (256, 32, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
 TIMING_SHAPES = [(256, 1, 32), (256, 32, 32)]
 KERNEL_CALLS = 100  # back-to-back calls per timed kernel repeat
-SECTIONS = ("kernels_vs_twins", "kernel_timing", "model_timing")
+SECTIONS = ("kernels_vs_twins", "kernel_timing", "executors", "model_timing")
+# the executors' results against the loop executor's (relative to its largest entry): a
+# float32 training step goes through 1024 layers and three MGRIT cycles
+EXECUTOR_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4}
 
 
 def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: torch.device
@@ -133,6 +142,56 @@ def _forward(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return forward
 
 
+def _with_execution(work: bench_train.Workload, execution: str) -> bench_train.Workload:
+    return replace(work, forward=replace(work.forward, execution=execution),
+                   backward=replace(work.backward, execution=execution))
+
+
+def _one_step(work: bench_train.Workload, device: torch.device, dtype: torch.dtype
+              ) -> list[torch.Tensor]:
+    """A training step's output and every parameter's gradient, from the same weights."""
+    model, _ = bench_train.build(work)
+    model = model.to(device=device, dtype=dtype)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    out = model(x.to(device=device, dtype=dtype))
+    work.loss(out, y.to(device)).backward()
+    return [out.detach()] + [p.grad for p in model.parameters()]
+
+
+def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
+              workloads: tuple[str, ...] = ("w2", "w2b")) -> None:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    failures = []
+    for name in workloads:
+        work = bench_train.WORKLOADS[name]()
+        print(f"  {work.description}")
+        for dtype, tolerance in EXECUTOR_TOLERANCE.items():
+            twin = _one_step(_with_execution(work, "loop"), device, dtype)
+            for execution in ("batched", "streams"):
+                got = _one_step(_with_execution(work, execution), device, dtype)
+                err = max(_relative_error(a, b) for a, b in zip(got, twin))
+                ok = err <= tolerance
+                records.append({"workload": name, "execution": execution, "dtype": str(dtype),
+                                "max_relative_error": err, "ok": ok})
+                print(f"  {execution:>8} vs loop {str(dtype):>13}: output and gradients, max "
+                      f"relative error {err:.2e}{'' if ok else f'  > {tolerance:.0e} FAILED'}")
+                if not ok:
+                    failures.append(records[-1])
+        x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
+        for execution in ("loop", "batched", "streams"):
+            model, _ = bench_train.build(_with_execution(work, execution))
+            model = model.to(device)
+            for metric, fn in (("forward", _forward(model, x)),
+                               ("train_step", _step(model, work, x, y))):
+                seconds = _median_seconds(fn, sync, repeats)
+                records.append({"workload": name, "execution": execution, "metric": metric,
+                                "seconds": seconds})
+                print(f"  {metric:>10} {execution:>8}: {seconds * 1e3:9.2f} ms")
+    if failures:
+        raise AssertionError(f"{len(failures)} executor results differ from the loop "
+                             f"executor's: {failures}")
+
+
 def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for name in ("w2", "w2b"):
@@ -185,6 +244,13 @@ def _table(results: dict[str, Any]) -> str:
                  for dt in {r["dtype"] for r in checks}}
         for dt, err in sorted(worst.items()):
             lines.append(f"| kernels vs twins | worst {dt} | {err:.2e} |")
+    for rec in results.get("executors", []):
+        if "seconds" in rec:
+            lines.append(f"| executors {rec['workload']} {rec['metric']} | {rec['execution']} "
+                         f"| {rec['seconds'] * 1e3:.2f} ms |")
+        else:
+            lines.append(f"| executors {rec['workload']} {rec['dtype']} | {rec['execution']} "
+                         f"vs loop | {rec['max_relative_error']:.2e} |")
     for rec in results.get("model_timing", []):
         if "seconds" in rec:
             lines.append(f"| {rec['workload']} {rec['metric']} | {rec['method']} | "
@@ -202,6 +268,7 @@ def run_section(section: str, device: torch.device, repeats: int) -> dict[str, A
     sections: dict[str, Callable[[list[dict[str, Any]]], None]] = {
         "kernels_vs_twins": lambda records: kernels_vs_twins(device, records),
         "kernel_timing": lambda records: kernel_timing(device, repeats, records),
+        "executors": lambda records: executors(device, repeats, records),
         "model_timing": lambda records: model_timing(device, repeats, records)}
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -241,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # illegal address) cannot take the other sections' measurements with it
     results: dict[str, Any] = {"environment": _environment(device), "failures": {},
                                "seconds": {}}
-    for section in SECTIONS if device.type == "cuda" else ("model_timing",):
+    for section in SECTIONS if device.type == "cuda" else ("executors", "model_timing"):
         print(f"{section}:", flush=True)
         part_file = args.out / f"section-{section}.json"
         part_file.unlink(missing_ok=True)

@@ -14,7 +14,8 @@
 #   2. nvidia-smi and nvcc versions into $OUT/environment.txt.
 #   3. cuda/build.py --arch native (nvcc's default arch if that fails): $OUT/build.log.
 #   4. benchmarks/gpu_check.py: kernels against their pure-torch twins (asserted), kernel
-#      timings, serial PyTorch against layer-parallel MGRIT on W2 and W2b; writes
+#      timings, the batched and stream executors against the loop executor (asserted) and
+#      their timings, serial PyTorch against layer-parallel MGRIT on W2 and W2b; writes
 #      $OUT/gpu_check.json (after every section) and $OUT/gpu_check.md; log in $OUT/check.log.
 #
 # Exit status: 0 when everything passed; 2 without a usable GPU; otherwise non-zero (a

@@ -212,3 +212,32 @@ def test_too_wide_layers_are_refused():
     u, W, b, _ = _problem(1, 1, limit + 1, torch.float64, device="cuda")
     with pytest.raises(ValueError, match=f"width d = {limit + 1} exceeds"):
         cuda.dense_step(u, W, b, 0.1)
+
+
+# (d) the GPU check's executor section, dry run on this machine --------------------------
+
+def _gpu_check():
+    path = BUILD_SCRIPT.parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("mgrit_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
+    """The section that checks the batched and the stream executor against the loop on a
+    GPU, run on the CPU: float64 results agree, and a tolerance that nothing meets (here
+    float32's, set below zero) fails the section, naming what differed."""
+    check = _gpu_check()
+    monkeypatch.setattr(check, "EXECUTOR_TOLERANCE", {torch.float64: 1e-12, torch.float32: -1.0})
+    records = []
+    with pytest.raises(AssertionError, match="2 executor results differ.*float32"):
+        check.executors(torch.device("cpu"), 1, records, ("w2",))
+    compared = {(r["execution"], r["dtype"]): r["ok"] for r in records if "ok" in r}
+    assert compared == {("batched", "torch.float64"): True, ("streams", "torch.float64"): True,
+                        ("batched", "torch.float32"): False, ("streams", "torch.float32"): False}
+    timed = {(r["execution"], r["metric"]) for r in records if "seconds" in r}
+    assert timed == {(e, m) for e in ("loop", "batched", "streams")
+                     for m in ("forward", "train_step")}
+    table = check._table({"executors": records, "failures": {}})
+    assert "| executors w2 torch.float64 | streams vs loop |" in table
