@@ -6,10 +6,11 @@ Sections, each run in its own process and written to DIR/gpu_check.json as soon 
   kernels_vs_twins  max relative error max|kernel - twin| / max|twin| of each kernel
                     (asserted: float64 <= 1e-12, float32 <= 1e-5)
   kernel_timing     kernels against their twins, B = 256 intervals, d = 32, S = 1 and 32
-  executors         the batched and the stream executor against their twin, the loop
-                    executor: one W2 and W2b training step (output and every gradient,
-                    asserted: float64 <= 1e-12, float32 <= 1e-4 relative), then each
-                    executor's forward pass and training step, medians of --repeats
+  executors         the batched executor (also with CUDA graphs of its sweeps) and the
+                    stream executor against their twin, the loop executor: one W2 and W2b
+                    training step (output and every gradient, asserted: float64 <= 1e-12,
+                    float32 <= 1e-4 relative), then each one's forward pass and training
+                    step, medians of --repeats
   model_timing      serial PyTorch against layer-parallel MGRIT (one rank) on W2 and W2b:
                     forward pass and training step, medians of --repeats
 A failing section is recorded with its error and the others still run; the exit status is
@@ -142,9 +143,16 @@ def _forward(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return forward
 
 
-def _with_execution(work: bench_train.Workload, execution: str) -> bench_train.Workload:
-    return replace(work, forward=replace(work.forward, execution=execution),
-                   backward=replace(work.backward, execution=execution))
+# executor variants: the solver options each sets, forward and backward
+EXECUTORS = {"loop": {"execution": "loop"}, "batched": {"execution": "batched"},
+             "streams": {"execution": "streams"},
+             "cuda graphs": {"execution": "batched", "cuda_graphs": True}}
+
+
+def _with_execution(work: bench_train.Workload, variant: str) -> bench_train.Workload:
+    options = EXECUTORS[variant]
+    return replace(work, forward=replace(work.forward, **options),
+                   backward=replace(work.backward, **options))
 
 
 def _one_step(work: bench_train.Workload, device: torch.device, dtype: torch.dtype
@@ -167,18 +175,18 @@ def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
         print(f"  {work.description}")
         for dtype, tolerance in EXECUTOR_TOLERANCE.items():
             twin = _one_step(_with_execution(work, "loop"), device, dtype)
-            for execution in ("batched", "streams"):
+            for execution in [e for e in EXECUTORS if e != "loop"]:
                 got = _one_step(_with_execution(work, execution), device, dtype)
                 err = max(_relative_error(a, b) for a, b in zip(got, twin))
                 ok = err <= tolerance
                 records.append({"workload": name, "execution": execution, "dtype": str(dtype),
                                 "max_relative_error": err, "ok": ok})
-                print(f"  {execution:>8} vs loop {str(dtype):>13}: output and gradients, max "
+                print(f"  {execution:>11} vs loop {str(dtype):>13}: output and gradients, max "
                       f"relative error {err:.2e}{'' if ok else f'  > {tolerance:.0e} FAILED'}")
                 if not ok:
                     failures.append(records[-1])
         x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
-        for execution in ("loop", "batched", "streams"):
+        for execution in EXECUTORS:
             model, _ = bench_train.build(_with_execution(work, execution))
             model = model.to(device)
             for metric, fn in (("forward", _forward(model, x)),
@@ -186,7 +194,7 @@ def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
                 seconds = _median_seconds(fn, sync, repeats)
                 records.append({"workload": name, "execution": execution, "metric": metric,
                                 "seconds": seconds})
-                print(f"  {metric:>10} {execution:>8}: {seconds * 1e3:9.2f} ms")
+                print(f"  {metric:>10} {execution:>11}: {seconds * 1e3:9.2f} ms")
     if failures:
         raise AssertionError(f"{len(failures)} executor results differ from the loop "
                              f"executor's: {failures}")

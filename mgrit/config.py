@@ -57,6 +57,11 @@ class Config:
                     one that is not finite, stops the solve with DivergenceError
     execution:      "auto" (batched when the propagator has step_batch), "loop",
                     "batched", or "streams" (interval groups on CUDA streams; a loop on CPU)
+    cuda_graphs:    capture each relaxation sweep (the batched sub-steps of an
+                    F-relaxation, a sequential march) in a CUDA graph at its second use
+                    and replay it after, where the states are CUDA tensors and the
+                    propagator allows it (`graph_key`); with the "loop" or "batched"
+                    executor. No effect on a CPU.
     """
 
     levels: int = 2
@@ -72,6 +77,7 @@ class Config:
     max_iter: int = 100
     divergence_factor: float = 1e4
     execution: str = "auto"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_int("levels", self.levels, 1)
@@ -101,6 +107,12 @@ class Config:
         _check_choice("cycle", self.cycle, CYCLE_KINDS)
         _check_choice("tol_kind", self.tol_kind, TOL_KINDS)
         _check_choice("execution", self.execution, EXECUTIONS)
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.execution == "streams":
+            raise ValueError("cuda_graphs=True captures the loop or batched executor's sweeps; "
+                             "execution='streams' runs its own streams, which a capture would "
+                             "have to join: use execution='batched' (or 'auto') with it")
         guess = self.initial_guess
         if not isinstance(guess, torch.Tensor) and guess not in GUESS_KINDS:
             raise ValueError(f"initial_guess={guess!r} is not valid; choose one of "

@@ -90,7 +90,7 @@ class Solver:
         self.num_steps = num_steps
         self.t0, self.t1 = t0, t1
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
-        self.executor = make_executor(config.execution, prop)
+        self.executor = make_executor(config.execution, prop, config.cuda_graphs)
         self.comm = as_comm(comm)
         if isinstance(config.initial_guess, Tensor):
             self._check_guess(config.initial_guess)
@@ -225,7 +225,7 @@ class Solver:
         if level.grid.is_coarsest:
             if l == 0:
                 self._fine_sweep(True)
-            sweep(level, self.prop)
+            sweep(level, self.prop, self.executor)
             return
         if first_f:
             f_relax(level, self.prop, self.executor)
@@ -243,7 +243,7 @@ class Solver:
 
     def _nested(self) -> None:
         """Solve the coarsest level, then inject level by level with one V-cycle each."""
-        sweep(self.levels[-1], self.prop)
+        sweep(self.levels[-1], self.prop, self.executor)
         for l in range(len(self.levels) - 2, -1, -1):
             self._update_c_points(l, correct=False)
             if l > 0:

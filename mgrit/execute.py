@@ -1,9 +1,9 @@
 """How the independent intervals of one level are advanced: a loop, one batched call, or
-groups of intervals on separate CUDA streams."""
+groups of intervals on separate CUDA streams; and CUDA graphs of whole relaxation sweeps."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 from torch import Tensor
@@ -12,6 +12,8 @@ from .propagator import Propagator, StepBatch, has_batched_step
 
 
 class Executor(Protocol):
+    graphs: "SweepGraphs | None"     # where relaxation sweeps may be captured (cuda_graphs)
+
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
         """Return the stacked states after steps[i] applied to states[i]."""
         ...
@@ -43,6 +45,7 @@ class LoopExecutor:
     """One `step` call per interval: the reference path."""
 
     name = "loop"
+    graphs: "SweepGraphs | None" = None
 
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
         out = torch.stack([prop.step(states[i], s) for i, s in enumerate(steps)])
@@ -65,6 +68,7 @@ class BatchedExecutor:
     `_single_step`."""
 
     name = "batched"
+    graphs: "SweepGraphs | None" = None
 
     def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
         single = _single_step(prop, steps)
@@ -96,6 +100,7 @@ class StreamExecutor:
     this is the loop executor."""
 
     name = "streams"
+    graphs = None
 
     def __init__(self, groups: int = 4) -> None:
         self.groups = groups
@@ -125,14 +130,70 @@ class StreamExecutor:
         write_result(out, self.advance(prop, states, steps), g)
 
 
-def make_executor(execution: str, prop: Propagator) -> Executor:
-    """The executor that Config.execution asks for."""
+def _capture_cuda_graph(sweep: Callable[[], None]) -> Any:
+    """A CUDA graph of `sweep`'s kernels (capturing runs none of them)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sweep()
+    return graph
+
+
+class SweepGraphs:
+    """CUDA graphs of relaxation sweeps, one per sweep of a solver's level.
+
+    `run(key, like, prop, sweep)` runs `sweep` (a function of tensor work only: no
+    communication, no host reads, no Python state that a later call needs) eagerly on its
+    first use, captures it on its second (the first is the warm-up that capturing needs:
+    library handles, workspaces, cached views) and replays the graph from then on. A graph
+    replays the kernels on the memory they were captured with, so it is kept only while the
+    propagator's `graph_key()` stays the same (its parameters' storage: a conversion such as
+    `.double()` moves it) and not used while that key is None (the propagator is doing
+    something a replay would skip, such as keeping outputs for the backward pass). States on
+    another device than CUDA, or a propagator without `graph_key`, run eagerly.
+    """
+
+    device_types: tuple[str, ...] = ("cuda",)
+
+    def __init__(self, capture: Callable[[Callable[[], None]], Any] | None = None) -> None:
+        self._capture = capture if capture is not None else _capture_cuda_graph
+        # sweep key -> [propagator's graph key, uses so far, graph or None]
+        self._sweeps: dict[Hashable, list] = {}
+        self.captured = 0
+        self.replayed = 0
+
+    def run(self, key: Hashable, like: Tensor, prop: Propagator, sweep: Callable[[], None]
+            ) -> None:
+        graph_key = getattr(prop, "graph_key", None)
+        token = graph_key() if graph_key is not None else None
+        if like.device.type not in self.device_types or token is None:
+            sweep()
+            return
+        entry = self._sweeps.get(key)
+        if entry is None or entry[0] != token:
+            entry = self._sweeps[key] = [token, 0, None]     # drops a stale graph
+        entry[1] += 1
+        if entry[1] == 1:
+            sweep()
+            return
+        if entry[2] is None:
+            entry[2] = self._capture(sweep)
+            self.captured += 1
+        entry[2].replay()
+        self.replayed += 1
+
+
+def make_executor(execution: str, prop: Propagator, cuda_graphs: bool = False) -> Executor:
+    """The executor that Config.execution asks for (with `SweepGraphs` for cuda_graphs)."""
     batched = has_batched_step(prop)
     if execution == "batched" and not batched:
         raise ValueError(f"execution='batched' needs a propagator with step_batch; "
                          f"{type(prop).__name__} has none")
     if execution == "streams":
+        if cuda_graphs:
+            raise ValueError("cuda_graphs needs the loop or batched executor, not 'streams'")
         return StreamExecutor()
-    if execution == "loop" or not batched:
-        return LoopExecutor()
-    return BatchedExecutor()
+    executor: Executor = (LoopExecutor() if execution == "loop" or not batched
+                          else BatchedExecutor())
+    if cuda_graphs:
+        executor.graphs = SweepGraphs()
+    return executor

@@ -191,6 +191,13 @@ class LayerStack(nn.Module):
             self._detached_key = key
         return self._detached_tensors
 
+    def storage_key(self) -> tuple[int, ...]:
+        """Where the stacked tensors and the ghost layers live: changes when any of them is
+        given new storage (a CUDA graph of steps that read them is then stale)."""
+        self._detached()
+        return self._detached_key + tuple(t.data_ptr() for ghost in self.ghosts.values()
+                                          for t in ghost.values())
+
     def set_ghost(self, layer: int, flat: Tensor) -> None:
         """Unpack a layer sent by its owner (see `flatten_layer`), in place if known."""
         shapes = {k: v.shape[1:] for k, v in self.tensors().items()}
@@ -325,6 +332,11 @@ class NetworkPropagator:
             if active:
                 self.outputs.clear()
             self._keeping = active
+
+    def graph_key(self) -> tuple[int, ...] | None:
+        """For CUDA graphs of sweeps (`SweepGraphs`): the parameters' storage, or None while
+        the steps keep their outputs (Python bookkeeping that a replay would skip)."""
+        return None if self._keeping else self.stack.storage_key()
 
     def step(self, u: Tensor, s: Step) -> Tensor:
         if self.stack.chain is not None:

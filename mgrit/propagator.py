@@ -88,7 +88,9 @@ class Propagator(Protocol):
     taken from final values (the adjoint uses them for parameter gradients).
     An optional `step_into(u, s, out, g)` writes g + Phi(u) (g None: Phi(u)) into
     `out`; the sequential march uses it to save a temporary and a copy per step, and
-    batched relaxation for a batch of one interval.
+    batched relaxation for a batch of one interval. An optional `graph_key()` lets
+    Config.cuda_graphs capture its steps (see `mgrit.execute.SweepGraphs`): a hashable that
+    changes when memory the steps read moves, or None while they must run eagerly.
     """
 
     def step(self, u: Tensor, s: Step) -> Tensor: ...

@@ -7,9 +7,14 @@ intervals in one executor call. An interval whose C-point lies on an earlier
 rank (the rank's leading F-points) is marched step by step once the previous
 rank's last point has arrived; the rank's own last point is sent on before that
 wait, so a run of such ranks does not become a chain.
+
+The parts of a sweep between its messages (the batched sub-steps, a march) go through
+`_sweep`, which an executor with CUDA graphs (Config.cuda_graphs) captures and replays.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -17,6 +22,17 @@ from torch import Tensor
 from .execute import Executor
 from .level import Level
 from .propagator import Propagator
+
+
+def _sweep(executor: Executor | None, level: Level, name: str, prop: Propagator,
+           work: Callable[[], None]) -> None:
+    """Run `work`, tensor work of one sweep of `level`, through the executor's CUDA graphs
+    where it has them."""
+    graphs = getattr(executor, "graphs", None)
+    if graphs is None:
+        work()
+    else:
+        graphs.run((level.index, name), level.u, prop, work)
 
 
 def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
@@ -40,7 +56,8 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
     u, g = level.u, level.g
     level.post_ghost(c_phase=False)
     first_c, _ = level.c_points(skip_zero=False)
-    if first_c <= level.last:
+
+    def intervals() -> None:
         for k in range(1, m):
             if level.last - k < first_c:
                 break
@@ -49,18 +66,26 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
             dst = level.rows(first_c + k, m, count)
             executor.advance_into(prop, src, level.batch(first_c + k - 1, m, count), u[dst],
                                   None if g is None else g[dst])
+
+    if first_c <= level.last:
+        _sweep(executor, level, "f", prop, intervals)
     leading = level.first < first_c        # F-points of an interval begun on an earlier rank
+    last = min(first_c - 1, level.last)
+
+    def lead() -> None:
+        march(level, prop, level.first, last)
+
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
         # it on before waiting for the ghost, or the ranks would wait for each other in turn
         level.changed(c_phase=False)
         level.wait_ghost()
-        march(level, prop, level.first, first_c - 1)
+        _sweep(executor, level, "f-lead", prop, lead)
         level.touched()
         return
     if leading:
         level.wait_ghost()
-        march(level, prop, level.first, level.last)
+        _sweep(executor, level, "f-lead", prop, lead)
     level.changed(c_phase=False)
 
 
@@ -94,12 +119,13 @@ def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -
     level.changed(c_phase=True)
 
 
-def sweep(level: Level, prop: Propagator) -> None:
+def sweep(level: Level, prop: Propagator, executor: Executor | None = None) -> None:
     """Solve the coarsest level: one march over all points, rank after rank."""
     if level.empty:
         return
     level.post_ghost(c_phase=False)
     if level.first > 0:
         level.wait_ghost()
-    march(level, prop, max(level.first, 1), level.last)
+    _sweep(executor, level, "sweep", prop,
+           lambda: march(level, prop, max(level.first, 1), level.last))
     level.changed(c_phase=False)

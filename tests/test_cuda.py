@@ -231,13 +231,13 @@ def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
     check = _gpu_check()
     monkeypatch.setattr(check, "EXECUTOR_TOLERANCE", {torch.float64: 1e-12, torch.float32: -1.0})
     records = []
-    with pytest.raises(AssertionError, match="2 executor results differ.*float32"):
+    with pytest.raises(AssertionError, match="3 executor results differ.*float32"):
         check.executors(torch.device("cpu"), 1, records, ("w2",))
     compared = {(r["execution"], r["dtype"]): r["ok"] for r in records if "ok" in r}
-    assert compared == {("batched", "torch.float64"): True, ("streams", "torch.float64"): True,
-                        ("batched", "torch.float32"): False, ("streams", "torch.float32"): False}
+    variants = ("batched", "streams", "cuda graphs")
+    assert compared == {**{(e, "torch.float64"): True for e in variants},
+                        **{(e, "torch.float32"): False for e in variants}}
     timed = {(r["execution"], r["metric"]) for r in records if "seconds" in r}
-    assert timed == {(e, m) for e in ("loop", "batched", "streams")
-                     for m in ("forward", "train_step")}
+    assert timed == {(e, m) for e in ("loop",) + variants for m in ("forward", "train_step")}
     table = check._table({"executors": records, "failures": {}})
     assert "| executors w2 torch.float64 | streams vs loop |" in table

@@ -1,0 +1,170 @@
+"""CUDA graphs of relaxation sweeps (Config.cuda_graphs): when sweeps are captured, replayed
+and dropped, checked here with a stand-in graph on the CPU; the real capture on a GPU."""
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+from mgrit import execute
+from mgrit.execute import SweepGraphs
+
+from nets import build, data
+
+
+class _Prop:
+    def __init__(self):
+        self.key = (1,)
+
+    def graph_key(self):
+        return self.key
+
+
+class _StandIn:
+    """A graph on the CPU: replaying runs the captured sweep again."""
+
+    def __init__(self, sweep, log):
+        self.sweep = sweep
+        log.append("capture")
+
+    def replay(self):
+        self.sweep()
+
+
+def test_a_sweep_runs_eagerly_then_is_captured_once_and_replayed(monkeypatch):
+    monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
+    log = []
+    graphs = SweepGraphs(lambda sweep: _StandIn(sweep, log))
+    prop, like = _Prop(), torch.zeros(1)
+    calls = []
+    sweep = lambda: calls.append(1)  # noqa: E731
+    for _ in range(4):
+        graphs.run("a", like, prop, sweep)
+    assert (len(calls), log, graphs.captured, graphs.replayed) == (4, ["capture"], 1, 3)
+    prop.key = (2,)                  # the parameters moved: warm up and capture again
+    for _ in range(2):
+        graphs.run("a", like, prop, sweep)
+    assert (len(calls), log, graphs.captured, graphs.replayed) == (6, ["capture"] * 2, 2, 4)
+    prop.key = None                  # the propagator asks for eager steps
+    graphs.run("a", like, prop, sweep)
+    assert (len(calls), graphs.captured, graphs.replayed) == (7, 2, 4)
+    graphs.run("b", like, prop := _Prop(), sweep)   # another sweep has its own count
+    assert (len(calls), graphs.captured) == (8, 2)
+
+
+def test_states_off_cuda_and_propagators_without_a_key_run_eagerly():
+    log = []
+    graphs = SweepGraphs(lambda sweep: _StandIn(sweep, log))
+    calls = []
+    for prop in (_Prop(), object()):
+        for _ in range(3):
+            graphs.run("a", torch.zeros(1), prop, lambda: calls.append(1))
+    assert (len(calls), log, graphs.captured, graphs.replayed) == (6, [], 0, 0)
+
+
+def test_config_refuses_graphs_with_streams_and_non_booleans():
+    with pytest.raises(ValueError, match="execution='streams' runs its own streams"):
+        mgrit.Config(cuda_graphs=True, execution="streams")
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 1"):
+        mgrit.Config(cuda_graphs=1)
+
+
+def _train(graphs: bool, steps: int = 3):
+    cfg = dict(levels=3, coarsening=2, min_coarse=1, relax=("F", "FCF"), tol=0.0)
+    fwd = mgrit.Config(max_iter=2, cuda_graphs=graphs, **cfg)
+    bwd = mgrit.Config(max_iter=1, cuda_graphs=graphs, **cfg)
+    model, _ = build("dense", 16, fwd, bwd)
+    x, y = data("dense", 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():
+        losses.append(model(x))
+    return model, losses
+
+
+def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
+    """With the stand-in graph, training and an eval pass take the same numbers as without:
+    sweeps are captured once each, replayed after, never while the forward pass keeps its
+    outputs for the backward pass, and never for the adjoint (its steps read values)."""
+    monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
+    log = []
+    keeping = []
+    original = execute.SweepGraphs.run
+
+    def run(self, key, like, prop, sweep):
+        keeping.append((type(prop).__name__, getattr(prop, "_keeping", False)))
+        if keeping[-1][1]:
+            assert prop.graph_key() is None
+        return original(self, key, like, prop, sweep)
+    monkeypatch.setattr(execute.SweepGraphs, "run", run)
+    monkeypatch.setattr(execute, "_capture_cuda_graph", lambda sweep: _StandIn(sweep, log))
+    model, with_graphs = _train(True)
+    _, without = _train(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_graphs, without))
+    solvers = list(model._solvers.values()) + list(model._adjoint_solvers.values())
+    counts = {type(s.prop).__name__: (s.executor.graphs.captured, s.executor.graphs.replayed)
+              for s in solvers}
+    assert counts["AdjointPropagator"] == (0, 0)
+    captured, replayed = counts["NetworkPropagator"]
+    assert captured >= 2 and replayed > captured and len(log) >= captured
+    assert ("NetworkPropagator", True) in keeping     # asked while keeping: no key
+    assert ("AdjointPropagator", False) in keeping
+
+
+def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
+    monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
+    monkeypatch.setattr(execute, "_capture_cuda_graph", lambda sweep: _StandIn(sweep, []))
+    model, _ = _train(True, steps=2)
+    solver = next(iter(model._solvers.values()))
+    before = solver.executor.graphs.captured
+    model.float()
+    model.double()               # new storage for every parameter
+    x, _ = data("dense", 4)
+    model.train()
+    for _ in range(2):          # the same solver (shape, dtype, with gradients) as before
+        model(x)
+    assert next(iter(model._solvers.values())) is solver
+    assert solver.executor.graphs.captured > before
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_gpu
+def test_cuda_graphs_on_a_gpu_equal_eager_steps():
+    """Real capture: a W2-shaped training step and an eval pass, float64, with and without
+    graphs on the GPU."""
+    results = []
+    for graphs in (True, False):
+        cfg = dict(levels=4, coarsening=4, min_coarse=1, relax=("F", "FCF", "FCF"), tol=0.0)
+        torch.manual_seed(3)
+        model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh()), 256,
+                                    1.0, mgrit.Config(max_iter=2, cuda_graphs=graphs, **cfg),
+                                    mgrit.Config(max_iter=1, cuda_graphs=graphs, **cfg))
+        model = model.double().cuda()
+        x = torch.randn(8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        x = x.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            y = model(x)
+            y.square().sum().backward()
+            opt.step()
+            out.append(y.detach())
+        with torch.no_grad():
+            model.eval()
+            out.append(model(x))
+        out += [p.detach().clone() for p in model.parameters()]
+        results.append(out)
+        if graphs:
+            assert sum(s.executor.graphs.captured for s in model._solvers.values()) > 0
+    for a, b in zip(*results):
+        assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
