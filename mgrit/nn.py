@@ -89,9 +89,12 @@ class LayerParallel(nn.Module):
                (see `mgrit.split_world`); their gradients are averaged after each backward.
     opening, closing: modules before and after the ODE part, replicated on every rank.
     inference: solver options of forward passes in eval mode (`model.eval()`) without
-               gradients; by default the forward options solved to a relative tolerance of
-               1e-9, so evaluation gives the network's own output (what `to_serial()`
-               computes), not the few-cycle approximation used in training.
+               gradients; by default exact sequential stepping (levels=1): every rank
+               marches its layers once the previous rank's state arrives, so evaluation
+               gives the network's own output (what `to_serial()` computes), not the
+               few-cycle approximation used in training, for the work of one serial forward
+               pass. MGRIT solved to a tolerance would take many cycles for the same
+               output (and never reach one below the dtype's round-off).
 
     `model(x)` returns the output on every rank. `model.stats` holds the cycles and
     residuals of the latest forward and backward solves.
@@ -113,8 +116,8 @@ class LayerParallel(nn.Module):
         self.forward_config = forward if forward is not None else _default("forward")
         self.backward_config = backward if backward is not None else _default("backward")
         self.inference_config = (inference if inference is not None else
-                                 replace(self.forward_config, tol=1e-9, tol_kind="relative",
-                                         max_iter=100, initial_guess="zero"))
+                                 replace(self.forward_config, levels=1, tol=0.0, max_iter=1,
+                                         initial_guess="zero"))
         grids = {}
         for kind, cfg in (("forward", self.forward_config), ("backward", self.backward_config),
                           ("inference", self.inference_config)):

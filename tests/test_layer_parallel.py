@@ -50,12 +50,38 @@ def test_two_by_two_data_parallel_equals_serial_full_batch(mpi):
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_exported_serial_network_gives_the_same_outputs(mpi, nprocs):
+    """After inexact training, the exported serial network and the model in eval mode (one
+    exact sequential sweep over the ranks) give the exactly solved output."""
     run = mpi("layer_parallel.py", nprocs, "export", timeout=120)
     assert run.returncode == 0, run.stderr
     reports = run.by_rank()
+    evaluation = {"eval_difference": pytest.approx(0.0, abs=1e-12), "eval_cycles": 1}
     assert reports[0]["results"]["export"] == {"difference": pytest.approx(0.0, abs=1e-12),
-                                              "layers": 9}
-    assert all(reports[r]["results"]["export"]["is_none"] for r in range(1, nprocs))
+                                              "layers": 9, **evaluation}
+    for r in range(1, nprocs):
+        assert reports[r]["results"]["export"] == {"is_none": True, **evaluation}
+
+
+def test_evaluation_is_one_exact_sweep_in_float32_too():
+    """Eval mode without gradients steps through the layers once (float32's round-off is far
+    above any tolerance a converged MGRIT solve would need) and gives the serial network's
+    output; an `inference` config is taken as given."""
+    inexact = dict(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, min_coarse=1)
+    model, serial = build("dense", 24, mgrit.Config(max_iter=2, **inexact),
+                          mgrit.Config(max_iter=1, **inexact))
+    model, serial = model.float(), serial.float()
+    x, _ = data("dense", 4)
+    model.eval()
+    with torch.no_grad():
+        out, ref = model(x.float()), serial(x.float())
+    assert model.stats["forward"]["iterations"] == 1
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-6
+    given = mgrit.Config(levels=2, coarsening=2, tol=0.0, max_iter=3)
+    model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 24,
+                                inference=given).eval()
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    assert model.stats["forward"]["iterations"] == 3
 
 
 @pytest.mark.mpi
