@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -60,6 +61,23 @@ def _check_number(name: str, value: Any) -> float:
     return float(value)
 
 
+def _warn_below_round_off(config: Config, dtype: torch.dtype) -> None:
+    """A relative tolerance that the states' precision cannot reach is a wasted solve: the
+    residual stalls at round-off and every one of max_iter cycles runs. Not an error (a
+    caller may want max_iter cycles), so a warning, at construction."""
+    if config.tol_kind != "relative" or config.tol == 0.0:
+        return
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return
+    eps = torch.finfo(dtype).eps
+    if config.tol < 10 * eps:
+        warnings.warn(f"tol={config.tol:g} (relative) is below what {dtype} states resolve "
+                      f"(machine epsilon {eps:.1e}): the residual stalls at round-off, the "
+                      f"solve will not converge and runs all max_iter={config.max_iter} "
+                      "cycles; use a tolerance above 10 epsilon or a wider dtype",
+                      RuntimeWarning, stacklevel=3)
+
+
 class Solver:
     """MGRIT for one propagator, state shape and time grid; reusable across solves.
 
@@ -90,6 +108,7 @@ class Solver:
         self.num_steps = num_steps
         self.t0, self.t1 = t0, t1
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        _warn_below_round_off(config, like.dtype)
         self.executor = make_executor(config.execution, prop, config.cuda_graphs)
         self.comm = as_comm(comm)
         if isinstance(config.initial_guess, Tensor):

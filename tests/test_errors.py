@@ -1,6 +1,7 @@
 """Bad input fails early with a message naming the problem; divergence is reported, not returned."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -167,3 +168,16 @@ def test_divergence_of_a_fixed_cycle_count_solve_is_reported_at_its_first_cycle(
         mgrit.solve(prop, U0, 256, 0.0, 128.0, mgrit.Config(tol=1e-300, **config))
     assert fixed.value.residuals == checked.value.residuals
     assert 2 <= len(fixed.value.residuals) < 12
+
+
+def test_a_relative_tolerance_below_round_off_is_warned_about():
+    """float32 cannot resolve a relative residual of 1e-9: the solve would run all its
+    cycles without converging; float64 can."""
+    cfg = mgrit.Config(levels=3, coarsening=4, tol=1e-9, tol_kind="relative", max_iter=4)
+    with pytest.warns(RuntimeWarning, match=r"tol=1e-09 \(relative\) is below what "
+                                            r"torch.float32 states resolve.*max_iter=4"):
+        res = mgrit.solve(Dahlquist(-1.0), torch.tensor(1.0), 64, 0.0, 1.0, cfg)
+    assert not res.converged and res.iterations == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgrit.solve(Dahlquist(-1.0), U0, 64, 0.0, 1.0, cfg).converged
