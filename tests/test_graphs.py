@@ -143,8 +143,13 @@ def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     model, _ = _train(True, steps=2)
     solver = next(iter(model._solvers.values()))
     before = solver.executor.graphs.captured
+    key = solver.prop.graph_key()
+    # new storage for every parameter; the old is held, or the allocator could hand the
+    # same addresses back (the graphs would then still be right, and kept)
+    held = [p.data for p in model.parameters()]
     model.float()
-    model.double()               # new storage for every parameter
+    model.double()
+    assert solver.prop.graph_key() != key and held
     x, _ = data("dense", 4)
     model.train()
     for _ in range(2):          # the same solver (shape, dtype, with gradients) as before
