@@ -72,7 +72,8 @@ class _Linear:
         return torch.matmul(g, t[self.weight])
 
 
-# (operation, operand shapes, dtype) -> whether the native kernel computes it
+# (operation, dtype, torch's thread count, operand shapes) -> whether the native kernel
+# computes it
 _NATIVE_CHOICE: dict[tuple, bool] = {}
 CONV_BACKENDS = ("auto", "torch")
 

@@ -40,18 +40,24 @@ static void tap_offsets(int64_t *offset, int64_t ci, int64_t kh, int64_t kw, int
             memcpy((dst) + c_ * (plane) + r_ * (wp), (src) + (c_ * (h) + r_) * (wd),       \
                    (wd) * sizeof *(src))
 
+/* the sizes both kernels share: vector lanes and tile, the padded row width wp and image
+ * plane, outputs per channel in rows of wp (rounded up to whole tiles), output channels
+ * rounded up to whole blocks, and taps per output channel (a declaration list) */
+#define GEOMETRY(SUFFIX)                                                                   \
+    typedef vec_##SUFFIX vec;                                                              \
+    const int64_t lanes = LANES_##SUFFIX, tile = TILE_VECTORS * LANES_##SUFFIX;            \
+    const int64_t wp = wd + kw - 1, plane = (h + kh - 1) * wp;                             \
+    const int64_t rows = (h * wp + tile - 1) / tile * tile;                                \
+    const int64_t cob = (co + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK * CHANNEL_BLOCK;          \
+    const int64_t taps = ci * kh * kw
+
 #define DEFINE_CONV2D(T, SUFFIX)                                                           \
 typedef T vec_##SUFFIX __attribute__((vector_size(64)));                                   \
 enum { LANES_##SUFFIX = 64 / sizeof(T) };                                                  \
                                                                                            \
 int mgrit_conv2d_##SUFFIX(const T *x, const T *w, const T *b, T *y, int64_t n, int64_t ci, \
                           int64_t co, int64_t h, int64_t wd, int64_t kh, int64_t kw) {     \
-    typedef vec_##SUFFIX vec;                                                              \
-    const int64_t lanes = LANES_##SUFFIX, tile = TILE_VECTORS * LANES_##SUFFIX;            \
-    const int64_t wp = wd + kw - 1, plane = (h + kh - 1) * wp;                             \
-    const int64_t rows = (h * wp + tile - 1) / tile * tile; /* outputs, padded width */    \
-    const int64_t cob = (co + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK * CHANNEL_BLOCK;          \
-    const int64_t taps = ci * kh * kw;                                                     \
+    GEOMETRY(SUFFIX);                                                                      \
     T *pad = calloc(ci * plane + rows + plane, sizeof(T));                                 \
     T *out = malloc(cob * rows * sizeof(T));                                               \
     T *wt = calloc(cob * taps, sizeof(T));                                                 \
@@ -99,12 +105,7 @@ int mgrit_conv2d_##SUFFIX(const T *x, const T *w, const T *b, T *y, int64_t n, i
 #define DEFINE_CONV2D_WEIGHT(T, SUFFIX)                                                    \
 int mgrit_conv2d_weight_##SUFFIX(const T *x, const T *g, T *gw, int64_t n, int64_t ci,     \
                                  int64_t co, int64_t h, int64_t wd, int64_t kh, int64_t kw) { \
-    typedef vec_##SUFFIX vec;                                                              \
-    const int64_t lanes = LANES_##SUFFIX, tile = TILE_VECTORS * LANES_##SUFFIX;            \
-    const int64_t wp = wd + kw - 1, plane = (h + kh - 1) * wp;                             \
-    const int64_t rows = (h * wp + tile - 1) / tile * tile;                                \
-    const int64_t cob = (co + CHANNEL_BLOCK - 1) / CHANNEL_BLOCK * CHANNEL_BLOCK;          \
-    const int64_t taps = ci * kh * kw;                                                     \
+    GEOMETRY(SUFFIX);                                                                      \
     T *pad = calloc(ci * plane + rows + plane, sizeof(T));                                 \
     T *gl = calloc(cob * rows, sizeof(T));                                                 \
     double *sum = calloc(co * taps, sizeof(double));                                       \
