@@ -81,7 +81,7 @@ class Case:
                        backward=replace(work.backward, levels=self.levels, relax=relax))
 
 
-CURVES = {"w2": Case("w2", "w2", 1024, costed=False, repeats=3, processes=2),
+CURVES = {"w2": Case("w2", "w2", 1024, costed=False, repeats=3, processes=3),
           "w1-1024": Case("w1-1024", "w1", 1024, costed=True, repeats=1)}
 CHECKS = {"w2": CURVES["w2"], "w1": Case("w1", "w1", 32, costed=True, processes=2)}
 W0_PROCESSES = 3
@@ -554,12 +554,34 @@ def virtual_point(case: Case | None, ranks: int, networks: dict[str, Network]
             "kernels": kernels.describe() if kernels is not None else []}
 
 
-def fastest_point(case: Case | None, ranks: int, networks: dict[str, Network]
-                  ) -> dict[str, Any]:
-    """`virtual_point` in `case.processes` fresh processes, one after the other; per network
-    the fastest prediction (step and forward pass each)."""
-    count = W0_PROCESSES if case is None else case.processes
-    points = [fresh(virtual_point, case, ranks, networks) for _ in range(count)]
+def _processes(case: Case | None) -> int:
+    return W0_PROCESSES if case is None else case.processes
+
+
+def fastest_points(jobs: list[tuple[Case | None, int]], networks: dict[str, Network],
+                   done: Callable[[Case | None, int, dict[str, Any], float], None] | None = None
+                   ) -> list[dict[str, Any]]:
+    """For every (case, ranks) job, `virtual_point` in `case.processes` fresh processes and
+    per network the fastest prediction (step and forward pass each). The processes run in
+    rounds (one process of every job per round) rather than job after job: the machine's slow
+    phases last minutes, and a point whose processes all ran in one of them would carry it.
+    `done(case, ranks, point, seconds)` is called as each job's last process ends."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    spent = [0.0] * len(jobs)
+    for round_ in range(max((_processes(case) for case, _ in jobs), default=0)):
+        for i, (case, ranks) in enumerate(jobs):
+            if round_ < _processes(case):
+                start = time.perf_counter()
+                runs[i].append(fresh(virtual_point, case, ranks, networks))
+                spent[i] += time.perf_counter() - start
+                if done is not None and len(runs[i]) == _processes(case):
+                    done(case, ranks, _fastest(runs[i], networks), spent[i])
+    return [_fastest(points, networks) for points in runs]
+
+
+def _fastest(points: list[dict[str, Any]], networks: dict[str, Network]) -> dict[str, Any]:
+    """Per network the fastest of several virtual runs' predictions (step and forward pass
+    each)."""
     best = {}
     for label in networks:
         preds = [pt["predictions"][label] for pt in points]
@@ -573,17 +595,19 @@ def virtual_checks(records: dict[int, dict[str, Any]], network: Network
                    ) -> list[dict[str, Any]]:
     """The virtual-rank model against the measured times of the validation records."""
     rows = []
-    for ranks, record in records.items():
-        for name in [n for n in ("w0", *CHECKS) if n in record]:
-            point = fastest_point(CHECKS.get(name), ranks, {"": network})
-            pred = point["predictions"][""]
-            pairs = ([("solve", pred["seconds"])] if name == "w0" else
-                     [("train", pred["seconds"]), ("forward", pred["forward_seconds"])])
-            for metric, predicted in pairs:
-                measured = fastest(record[name][metric]["measured"])
-                rows.append({"case": name, "metric": metric, "ranks": ranks,
-                             "predicted_virtual": predicted,
-                             "virtual_error": predicted / measured - 1.0})
+    jobs = [(ranks, name) for ranks, record in records.items()
+            for name in ("w0", *CHECKS) if name in record]
+    points = fastest_points([(CHECKS.get(name), ranks) for ranks, name in jobs],
+                            {"": network})
+    for (ranks, name), point in zip(jobs, points):
+        pred = point["predictions"][""]
+        pairs = ([("solve", pred["seconds"])] if name == "w0" else
+                 [("train", pred["seconds"]), ("forward", pred["forward_seconds"])])
+        for metric, predicted in pairs:
+            measured = fastest(records[ranks][name][metric]["measured"])
+            rows.append({"case": name, "metric": metric, "ranks": ranks,
+                         "predicted_virtual": predicted,
+                         "virtual_error": predicted / measured - 1.0})
     return rows
 
 
@@ -591,10 +615,13 @@ def curve(case: Case, ranks: list[int], networks: dict[str, Network]
           ) -> list[dict[str, Any]]:
     """Predicted MGRIT times of one case per rank count and network (`add_baselines`
     completes the rows)."""
+    def done(case: Case | None, p: int, point: dict[str, Any], seconds: float) -> None:
+        log.info("%s, %d ranks: %.2f ms per training step (%.0f s)", case.name, p,
+                 point["predictions"]["cluster" if "cluster" in networks else
+                                      next(iter(networks))]["seconds"] * 1e3, seconds)
+
     rows = []
-    for p in ranks:
-        start = time.perf_counter()
-        point = fastest_point(case, p, networks)
+    for p, point in zip(ranks, fastest_points([(case, p) for p in ranks], networks, done)):
         for label in networks:
             pred = point["predictions"][label]
             rows.append({"case": case.name, "network": label, "ranks": p,
@@ -602,8 +629,6 @@ def curve(case: Case, ranks: list[int], networks: dict[str, Network]
                          "mgrit_forward": pred["forward_seconds"],
                          "busy_mean": pred["busy_mean"], "critical": pred["critical"],
                          "kernels": point["kernels"]})
-        log.info("%s, %d ranks: %.2f ms per training step (%.0f s)", case.name, p,
-                 rows[-1]["mgrit_train"] * 1e3, time.perf_counter() - start)
     return rows
 
 

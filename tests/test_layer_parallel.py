@@ -276,6 +276,32 @@ def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind
             assert torch.allclose(mine, param.grad, rtol=1e-12, atol=1e-14), (n, name)
 
 
+def test_stacked_layer_batches_follow_updates_and_conversions():
+    """Batches of the stacked layers, ascending (the forward's) and descending (the
+    adjoint's, views of a reversed copy), hold exactly the layers asked for, and still do
+    after an in-place update (an optimizer step) and after a dtype conversion."""
+    model, _ = build("dense", 16)
+    stack = model.layers
+    batches = [(3, 4, 3), (0, 1, 16), (15, -1, 4), (14, -4, 3), (15, -5, 4), (7, -1, 1)]
+
+    def check():
+        for start, stride, count in batches:
+            got = stack.rows(start, stride, count)
+            for name in stack.names:
+                full = stack.params[name.replace(".", "__")].detach()
+                want = torch.stack([full[start + i * stride] for i in range(count)])
+                assert got[name].dtype == full.dtype
+                assert torch.equal(got[name], want), (start, stride, count, name)
+
+    check()
+    with torch.no_grad():
+        for p in stack.params.values():
+            p.mul_(1.5).add_(0.25)
+    check()
+    model.float()
+    check()
+
+
 class _Forgetful(dict):
     """A cache that never holds anything."""
 

@@ -313,6 +313,28 @@ def test_layerwise_model_parallelism_is_serial_plus_two_chains_of_messages():
     assert replay(layerwise_traces(costs, n, 1, train=True), NET).total == serial
 
 
+def test_virtual_points_run_in_rounds_and_keep_the_fastest(monkeypatch):
+    """Every point's fresh processes are spread over rounds (one per point per round), so
+    a slow phase of the machine cannot take all of one point's; the fastest counts."""
+    import mgrit.scaling as scaling
+
+    order, times = [], iter([5.0, 4.0, 3.0, 6.0, 1.0, 2.0])
+
+    def fake_fresh(fn, case, ranks, networks):
+        order.append(ranks)
+        t = next(times)
+        return {"predictions": {"net": {"seconds": t, "forward_seconds": t / 2}},
+                "kernels": []}
+    monkeypatch.setattr(scaling, "fresh", fake_fresh)
+    case = scaling.Case("t", "w2", 16, costed=False, processes=3)
+    done = []
+    points = scaling.fastest_points([(case, 1), (case, 2)], {"net": NET},
+                                    lambda c, p, point, s: done.append(p))
+    assert order == [1, 2, 1, 2, 1, 2] and done == [1, 2]
+    assert [pt["predictions"]["net"]["seconds"] for pt in points] == [1.0, 2.0]
+    assert [pt["predictions"]["net"]["forward_seconds"] for pt in points] == [0.5, 1.0]
+
+
 @pytest.mark.parametrize("stride,padding,dilation", [(1, 1, 1), (2, 0, 1), (1, "same", 2),
                                                      (2, (1, 2), 1)])
 def test_kernel_costs_charge_convolutions_with_the_real_output_shape(stride, padding, dilation):
