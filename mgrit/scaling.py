@@ -616,9 +616,9 @@ def curve(case: Case, ranks: list[int], networks: dict[str, Network]
     """Predicted MGRIT times of one case per rank count and network (`add_baselines`
     completes the rows)."""
     def done(case: Case | None, p: int, point: dict[str, Any], seconds: float) -> None:
+        last = list(point["predictions"].values())[-1]      # of the last network given
         log.info("%s, %d ranks: %.2f ms per training step (%.0f s)", case.name, p,
-                 point["predictions"]["cluster" if "cluster" in networks else
-                                      next(iter(networks))]["seconds"] * 1e3, seconds)
+                 last["seconds"] * 1e3, seconds)
 
     rows = []
     for p, point in zip(ranks, fastest_points([(case, p) for p in ranks], networks, done)):
