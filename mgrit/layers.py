@@ -401,9 +401,10 @@ class AdjointPropagator:
     transposed linearisation of the forward step from point p = N - (k + 1) M over M fine
     steps, using layer p at the forward state u_p.
 
-    The parameter gradients come after the solve (`parameter_gradients`), from its final
-    fine-level states: exactly the values that the final fine-level sweep and residual
-    linearised at, one VJP per layer.
+    While `fine_sweep(True)` is on, level-0 steps (the final fine-level sweep of the adjoint
+    and its residual: one VJP per layer, with final values) also give the layer's parameter
+    gradient, dt (df/dtheta)(u_p)^T w, from the same forward pass; `gradients` collects them
+    batch by batch.
     """
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
@@ -415,6 +416,10 @@ class AdjointPropagator:
         self.strides = strides
         self.states = states        # forward states: row i holds point offset + i
         self.offset = offset
+        self.recording = False
+        # (layers, parameter cotangents of that batch, dt), in the order they were taken;
+        # a later entry for a layer replaces an earlier one
+        self.gradients: list[tuple[list[int], dict[str, Tensor], float]] = []
         # (first point, stride, count) of a batch -> [its points, their forward states, the
         # chain's op outputs there (None until its first VJP)]: all fixed for a whole
         # backward solve, so gathered once
@@ -426,9 +431,13 @@ class AdjointPropagator:
             self.step_batch = self._step_batch
 
     def begin(self) -> None:
-        """A new backward solve: new forward states."""
+        """A new backward solve: new forward states, no gradients yet."""
+        self.gradients = []
         self._gathered.clear()
         self._computed.clear()
+
+    def fine_sweep(self, active: bool) -> None:
+        self.recording = active
 
     def _kept(self, p: int) -> tuple[list, int] | None:
         """The chain's op outputs at forward point p with layer p, where every adjoint step
@@ -449,16 +458,21 @@ class AdjointPropagator:
         return chain.gather_values(us, kept)
 
     def _vjp(self, tensors: dict[str, Tensor], us: Tensor, ws: Tensor, layers: list[int],
-             dt: float, batch: list | None = None) -> Tensor:
+             level: int, dt: float, batch: list | None = None) -> Tensor:
         """ws + dt (df/du)^T ws for a batch (`batch`: its entry of `_gathered`, where the op
         outputs are kept for the next call). The adjoint is linear in w, so entries whose w
         is exactly zero (much of a first cycle from a zero guess) map to zero and are
         skipped: the result is the same to the bit."""
+        record = self.recording and level == 0
         nonzero = _nonzero_rows(ws)
         if not all(nonzero):
             out = torch.zeros_like(ws)
+            if record:
+                zeros = {k: torch.zeros_like(v) for k, v in tensors.items()
+                         if k in self.stack.names}
+                self.gradients.append((layers, zeros, dt))
             keep = [i for i, nz in enumerate(nonzero) if nz]
-            if len(keep) == 1 and self.stack.chain is not None:
+            if len(keep) == 1 and not record and self.stack.chain is not None:
                 # a lone non-zero entry (the first cycle's front on the rank that starts the
                 # backward solve) takes the single-step VJP, not a batch of one
                 i = keep[0]
@@ -467,9 +481,9 @@ class AdjointPropagator:
                 index = torch.tensor(keep, device=ws.device)
                 out[index] = self._vjp({k: v.index_select(0, index) for k, v in tensors.items()},
                                        us.index_select(0, index), ws.index_select(0, index),
-                                       [layers[i] for i in keep], dt)
+                                       [layers[i] for i in keep], level, dt)
             return out
-        if _use_cuda_kernels(self.stack, ws):
+        if not record and _use_cuda_kernels(self.stack, ws):
             from .cuda import dense_step_vjp
 
             shape = (len(ws), -1, ws.shape[-1])
@@ -482,37 +496,16 @@ class AdjointPropagator:
                 values = self._values(tensors, us, layers)
                 if batch is not None:
                     batch[2] = values
-        du, _ = self.stack.vjp_batch(tensors, us, ws, values=values)
+        du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
+                                      values=values)
+        if record:
+            self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
-
-    def parameter_gradients(self, w: Tensor, w_offset: int, dt: float) -> dict[str, Tensor]:
-        """dL/dtheta_n = dt (df/dtheta)(u_n)^T w_{n+1} for the stack's layers n, from the
-        adjoint solve's final fine-level states (`w`: row i holds reversed point w_offset + i;
-        w_{n+1} of forward numbering is reversed point N-1-n): one batched parameter VJP
-        after the solve, with the forward pass's kept op outputs. These are the values the
-        solve's final fine-level sweep and residual took each layer's VJP at, so the
-        gradients are the ones that sweep would give; no relaxation ever adds to them."""
-        stack = self.stack
-        lo, count = stack.first, stack.count
-        if count == 0:
-            return {name: torch.zeros_like(t) for name, t in stack.tensors().items()
-                    if name in stack.names}
-        # w_{n+1} for n = lo..lo+count-1: reversed points N-1-lo down to N-count-lo
-        top = self.num_steps - 1 - lo - w_offset
-        ws = w[top - count + 1: top + 1].flip(0)
-        us = self.states[lo - self.offset: lo - self.offset + count]
-        tensors = stack.rows(lo, 1, count)
-        values = None
-        if stack.chain is not None:
-            values = self._values(tensors, us, list(range(lo, lo + count)))
-        _, dp = stack.vjp_batch(tensors, us, ws, want_input=False, want_params=True,
-                                values=values)
-        return {name: dp[name].mul_(dt) for name in stack.names}
 
     def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
         """out = g + (this step's adjoint)(w) (g None: zero), in place; see
         NetworkPropagator.step_into."""
-        if self.stack.chain is None:
+        if self.stack.chain is None or (self.recording and s.level == 0):
             write_result(out, self.step(w, s), g)
             return
         if not _is_nonzero(w):
@@ -542,8 +535,9 @@ class AdjointPropagator:
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self._layer_point(s)
         u = self.states[p - self.offset]
-        if self.stack.chain is not None or not _is_nonzero(w):
-            return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.dt)[0]
+        if (self.stack.chain is not None or (self.recording and s.level == 0)
+                or not _is_nonzero(w)):
+            return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level, s.dt)[0]
         with torch.enable_grad():
             x = u.detach().requires_grad_()
             y = self.stack.module(p)(x)
@@ -560,4 +554,4 @@ class AdjointPropagator:
             us = self.states.index_select(0, (points - self.offset).to(self.states.device))
             batch = self._gathered[key] = [points.tolist(), us, None]
         tensors = self.stack.rows(first, stride, steps.count)
-        return self._vjp(tensors, batch[1], ws, batch[0], steps.dt, batch)
+        return self._vjp(tensors, batch[1], ws, batch[0], steps.level, steps.dt, batch)

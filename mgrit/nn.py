@@ -248,8 +248,7 @@ class LayerParallel(nn.Module):
             prop.begin()
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
-            states, offset = solver.fine_states()
-            grads = prop.parameter_gradients(states, offset, solver.levels[0].dt)
+            grads = self._parameter_gradients(prop.gradients)
             if prop.outputs is not None:
                 prop.outputs.clear()    # the forward pass's kept outputs are used up
         out = []
@@ -257,6 +256,35 @@ class LayerParallel(nn.Module):
             param = self.layers.params[name.replace(".", "__")]
             out.append(grads[name] if param.requires_grad else None)
         return res.final, out
+
+    def _parameter_gradients(self, recorded: list[tuple[list[int], dict[str, Tensor], float]]
+                             ) -> dict[str, Tensor]:
+        """dL/dtheta of the owned layers, as the adjoint's final fine sweep recorded them (its
+        one VJP per layer, at final values, gives both w_n and dL/dtheta_n)."""
+        lo, hi = self.layer_range
+        grads = {name: torch.zeros_like(self.layers.params[name.replace(".", "__")])
+                 for name in self.layers.names}
+        reached = torch.zeros(max(hi - lo + 1, 0), dtype=torch.bool)
+        for layers, cotangents, dt in recorded:
+            first, step = layers[0] - lo, (layers[1] - layers[0] if len(layers) > 1 else 1)
+            if step != 0 and layers == list(range(layers[0], layers[-1] + step, step)):
+                # an arithmetic progression (every batch is): slices, not index tensors
+                rows = slice(min(first, layers[-1] - lo), max(first, layers[-1] - lo) + 1,
+                             abs(step))
+                flip = step < 0
+            else:
+                rows, flip = torch.tensor(layers) - lo, False
+            reached[rows] = True
+            for name in grads:
+                cot = cotangents[name]
+                if isinstance(rows, slice):
+                    torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][rows])
+                else:
+                    grads[name][rows.to(cot.device)] = dt * cot
+        if not bool(reached.all()):
+            missing = (torch.nonzero(~reached).flatten() + lo).tolist()
+            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+        return grads
 
     def forward(self, x: Tensor) -> Tensor:
         u0 = self.opening(x)

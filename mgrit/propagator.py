@@ -85,8 +85,7 @@ class Propagator(Protocol):
     the input's shape and dtype. An optional `fine_sweep(active)` is called
     with True before the last level-0 relaxation of every cycle and with False
     after that cycle's residual: the steps in between are one per fine step,
-    taken from final values (the forward pass of a network keeps their outputs for the
-    backward pass).
+    taken from final values (the adjoint uses them for parameter gradients).
     An optional `step_into(u, s, out, g)` writes g + Phi(u) (g None: Phi(u)) into
     `out`; the sequential march uses it to save a temporary and a copy per step, and
     batched relaxation for a batch of one interval. An optional `graph_key()` lets
