@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from . import models
 from .config import Config
 from .data import digits
-from .kernels import torch_convolutions
+from .kernels import torch_kernels
+from .layers import is_dense_tanh
 from .baselines import GPipe, LayerwiseModelParallel
 from .nn import LayerParallel, serial_resnet
 from .train import evaluate, train_epoch
@@ -167,18 +168,19 @@ def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict
     return {"train_step": step, "forward": forward, "stats": stats}
 
 
-TORCH_CONV = "layer-parallel mgrit, torch convolutions"
+TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 
 
 def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
                            ) -> dict[str, dict[str, Any]]:
-    """The layer-parallel model's times; for a network with convolutions also with torch's
-    convolutions in place of the native kernels (MGRIT_CONV=torch), which is how much of
-    its speed those kernels give."""
+    """The layer-parallel model's times; for a network whose layers have native kernels
+    (convolutions, dense tanh steps) also with torch's kernels only (MGRIT_NATIVE=torch),
+    which is how much of its speed those kernels give."""
     out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
-    if any(isinstance(m, nn.Conv2d) for m in work.network().step().modules()):
-        with torch_convolutions():
-            out[TORCH_CONV] = layer_parallel_times(work, repeats, comm)
+    step = work.network().step()
+    if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
+        with torch_kernels():
+            out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm)
     return out
 
 

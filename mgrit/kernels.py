@@ -75,33 +75,35 @@ class _Linear:
 # (operation, dtype, torch's thread count, operand shapes) -> whether the native kernel
 # computes it
 _NATIVE_CHOICE: dict[tuple, bool] = {}
-CONV_BACKENDS = ("auto", "torch")
+NATIVE_BACKENDS = ("auto", "torch")
 
 
-def conv_backend() -> str:
-    """Which convolutions the kernels use, from the environment variable MGRIT_CONV:
-    "auto" (the default: mgrit's native kernels where they are measured faster) or
-    "torch". torch.use_deterministic_algorithms(True) means "torch": a choice made by
-    timing can differ between runs."""
-    name = os.environ.get("MGRIT_CONV", "auto")
-    if name not in CONV_BACKENDS:
-        raise ValueError(f"MGRIT_CONV={name!r}: expected one of {', '.join(CONV_BACKENDS)}")
+def native_backend() -> str:
+    """Whether the layer kernels may use mgrit's native CPU kernels (`mgrit.native`), from
+    the environment variable MGRIT_NATIVE: "auto" (the default: native convolutions where
+    they are measured faster, native dense tanh steps for narrow layers) or "torch" (torch's
+    kernels only). torch.use_deterministic_algorithms(True) means "torch": a choice made
+    by timing can differ between runs, and torch's results are what a serial run computes."""
+    name = os.environ.get("MGRIT_NATIVE", "auto")
+    if name not in NATIVE_BACKENDS:
+        raise ValueError(f"MGRIT_NATIVE={name!r}: expected one of {', '.join(NATIVE_BACKENDS)}")
     return "torch" if torch.are_deterministic_algorithms_enabled() else name
 
 
 @contextlib.contextmanager
-def torch_convolutions() -> Iterator[None]:
-    """Torch's convolutions while the context is entered, in this process and the ones it
-    starts (MGRIT_CONV=torch); the variable's previous value comes back after."""
-    saved = os.environ.get("MGRIT_CONV")
-    os.environ["MGRIT_CONV"] = "torch"
+def torch_kernels() -> Iterator[None]:
+    """Torch's kernels only (no native ones) while the context is entered, in this process
+    and the ones it starts (MGRIT_NATIVE=torch); the variable's previous value comes back
+    after."""
+    saved = os.environ.get("MGRIT_NATIVE")
+    os.environ["MGRIT_NATIVE"] = "torch"
     try:
         yield
     finally:
         if saved is None:
-            del os.environ["MGRIT_CONV"]
+            del os.environ["MGRIT_NATIVE"]
         else:
-            os.environ["MGRIT_CONV"] = saved
+            os.environ["MGRIT_NATIVE"] = saved
 
 
 def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -> bool:
@@ -115,7 +117,7 @@ def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -
     Operands that autograd tracks always go to torch."""
     x = operands[0]
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
-            or conv_backend() == "torch"):
+            or native_backend() == "torch"):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False             # the native kernels record no autograd graph
@@ -371,3 +373,101 @@ class Chain:
             g = self.ops[i].backward(t, values[i], values[i + 1], g, grads,
                                      need_input=want_input or i > 0)
         return (_stacked(g) if want_input else None), grads
+
+
+# the most values per layer (rows of states times width) for which the native dense kernels
+# run: there a step is mostly call overhead, which one C call removes; for more (W2b's
+# batch of 32 at width 32) torch's matrix products are as fast or faster
+DENSE_NATIVE_MAX_VALUES = 256
+
+
+def _entry_stride(t: Tensor) -> int | None:
+    """The distance between t's entries along its first dimension, or None unless each
+    entry is contiguous (what the native kernels read)."""
+    if t.is_contiguous():
+        return t.stride(0)
+    shape, strides = t.shape, t.stride()
+    expect = 1
+    for i in range(len(shape) - 1, 0, -1):
+        if shape[i] != 1 and strides[i] != expect:
+            return None
+        expect *= shape[i]
+    return strides[0]
+
+
+class NativeDense:
+    """The residual step u + dt tanh(u W^T + b) of a `Linear(d, d) -> Tanh` layer and its
+    adjoint on `mgrit.native`'s fused kernels (CPU, float32/float64): one C call per step
+    or batch of layers where torch takes four or five. `of` gives one where the kernels
+    apply; its calls return False, having done nothing, where an operand's layout does not
+    suit them (the caller then computes with torch)."""
+
+    def __init__(self, dtype: torch.dtype, width: int) -> None:
+        lib = native.library()
+        suffix = native.SUFFIX[dtype]
+        self._step = getattr(lib, f"mgrit_dense_tanh_{suffix}")
+        self._vjp = getattr(lib, f"mgrit_dense_tanh_vjp_{suffix}")
+        self._step_one = getattr(lib, f"mgrit_dense_tanh_one_{suffix}")
+        self._vjp_one = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
+        self.width = width
+
+    @staticmethod
+    def of(x: Tensor, values: int, width: int, cache: dict) -> "NativeDense | None":
+        """The kernels for states like x (cached in `cache` per dtype), or None: not CPU
+        float32/float64 states of at most DENSE_NATIVE_MAX_VALUES `values` each, kernels not
+        built here, or autograd recording (the kernels record no graph). Whether the native
+        kernels are allowed at all (`native_backend`) is the caller's to ask: reading the
+        environment costs a microsecond, a tenth of a step."""
+        if not x.is_cpu or values > DENSE_NATIVE_MAX_VALUES or torch.is_grad_enabled():
+            return None
+        found = cache.get(x.dtype)
+        if found is None:
+            found = cache[x.dtype] = (NativeDense(x.dtype, width)
+                                      if x.dtype in native.SUFFIX and native.available()
+                                      and width <= native.MAX_WIDTH else False)
+        return found or None
+
+    def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
+             g: Tensor | None = None, keep: Tensor | None = None) -> bool:
+        """out = g + u + dt tanh(u w^T + b) for one layer; `keep` gets the tanh."""
+        if not (w.dtype == u.dtype and u.is_contiguous() and out.is_contiguous()
+                and w.is_contiguous()
+                and b.is_contiguous() and (g is None or g.is_contiguous())
+                and (keep is None or keep.is_contiguous())):
+            return False
+        d = self.width
+        self._step_one(u.data_ptr(), w.data_ptr(), b.data_ptr(),
+                       None if g is None else g.data_ptr(), out.data_ptr(),
+                       None if keep is None else keep.data_ptr(), dt, u.numel() // d, d)
+        return True
+
+    def vjp(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | None,
+            g: Tensor | None = None, x: Tensor | None = None, gw: Tensor | None = None,
+            gb: Tensor | None = None) -> bool:
+        """For a batch of layers: out = g + a + dt (a (1 - y^2)) w, with y the tanh that
+        the forward step kept; with x (its input states) gw and gb receive the parameter
+        cotangents s^T x and the sum of s's rows, s = a (1 - y^2), not scaled by dt."""
+        if w.dtype != a.dtype:
+            return False
+        args: list = []
+        for t in (w, a, y, g, out, x, gw, gb):
+            stride = 0 if t is None else _entry_stride(t)
+            if stride is None:
+                return False
+            args += (None, 0) if t is None else (t.data_ptr(), stride)
+        d = self.width
+        count = len(a)
+        self._vjp(*args, dt, count, a.numel() // (count * d) if count else 0, d)
+        return True
+
+    def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
+                   g: Tensor | None = None) -> bool:
+        """`vjp` for one layer, without parameter cotangents."""
+        if not (w.dtype == a.dtype and a.is_contiguous() and y.is_contiguous()
+                and out.is_contiguous()
+                and w.is_contiguous() and (g is None or g.is_contiguous())):
+            return False
+        d = self.width
+        self._vjp_one(w.data_ptr(), a.data_ptr(), y.data_ptr(),
+                      None if g is None else g.data_ptr(), out.data_ptr(), dt, a.numel() // d, d)
+        return True

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from .execute import write_result
-from .kernels import Chain
+from .kernels import Chain, NativeDense, native_backend
 from .propagator import Step, StepBatch
 
 _NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
@@ -69,7 +69,7 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     return template, kept
 
 
-def _is_dense_tanh(template: nn.Module) -> bool:
+def is_dense_tanh(template: nn.Module) -> bool:
     """Exactly Linear(d, d) with bias, then Tanh: the step the CUDA kernels implement."""
     return (isinstance(template, nn.Sequential) and len(template) == 2
             and type(template[0]) is nn.Linear and template[0].bias is not None
@@ -123,7 +123,22 @@ class LayerStack(nn.Module):
         self._detached_tensors: dict[str, Tensor] | None = None
         self._detached_key: tuple[int, ...] = ()
         self.chain = Chain.of(template)
-        self.dense_tanh = _is_dense_tanh(template)
+        self.dense_tanh = is_dense_tanh(template)
+        self._native_dense: dict = {}     # dtype -> NativeDense, or False where it cannot run
+        self.refresh_native()
+
+    def refresh_native(self) -> None:
+        """Read whether native kernels may run (MGRIT_NATIVE, deterministic algorithms):
+        once per solve, not per step."""
+        self._native_allowed = native_backend() != "torch"
+
+    def native_dense(self, x: Tensor, values: int) -> NativeDense | None:
+        """The native dense tanh kernels for states like x of `values` values per layer,
+        or None (not a dense tanh layer, native kernels not allowed when the solve began;
+        see NativeDense.of)."""
+        if not (self.dense_tanh and self._native_allowed):
+            return None
+        return NativeDense.of(x, values, self.template[0].in_features, self._native_dense)
 
     @property
     def count(self) -> int:
@@ -288,6 +303,11 @@ def _add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) ->
         out.add_(g)
 
 
+def _per_entry(x: Tensor) -> int:
+    """Values per entry of a batch (x's first dimension)."""
+    return x.numel() // len(x) if len(x) else 0
+
+
 def _nonzero_rows(x: Tensor) -> list[bool]:
     """Whether each entry of x (along its first dimension) holds anything but zeros; NaN
     counts as non-zero. On large entries a maximum and a minimum beat `any`, which turns
@@ -350,6 +370,14 @@ class NetworkPropagator:
             write_result(out, self.step(u, s), g)
             return
         keep = [] if self._keeping and s.level == 0 else None
+        dense = self.stack.native_dense(u, u.numel())
+        if dense is not None:
+            t = self.stack.views(s.fine_index)
+            y = None if keep is None else torch.empty_like(u)
+            if dense.step(u, t["0.weight"], t["0.bias"], s.dt, out, g, y):
+                if y is not None:
+                    self.outputs[s.fine_index] = ([[y], [y]], 0)
+                return
         f = self.stack.chain.single(self.stack.views(s.fine_index), u, keep)
         if keep is not None:
             self.outputs[s.fine_index] = ([[y] for y in keep], 0)
@@ -496,6 +524,16 @@ class AdjointPropagator:
                 values = self._values(tensors, us, layers)
                 if batch is not None:
                     batch[2] = values
+            dense = self.stack.native_dense(ws, _per_entry(ws))
+            if dense is not None:
+                out = torch.empty_like(ws)
+                w = tensors["0.weight"]
+                gw = torch.empty(w.shape, dtype=w.dtype) if record else None
+                gb = torch.empty(w.shape[:2], dtype=w.dtype) if record else None
+                if dense.vjp(w, ws, values[2], dt, out, None, us if record else None, gw, gb):
+                    if record:
+                        self.gradients.append((layers, {"0.weight": gw, "0.bias": gb}, dt))
+                    return out
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
                                       values=values)
         if record:
@@ -514,18 +552,37 @@ class AdjointPropagator:
             else:
                 out.copy_(g)
             return
-        _add_step(out, w, self._single_du(self._layer_point(s), w), s.dt, g)
+        p = self._layer_point(s)
+        dense = self.stack.native_dense(w, w.numel())
+        if dense is not None:
+            views = self.stack.views(p)
+            outputs, k = self._single_outputs(p, views, dense)
+            if dense.vjp_single(views["0.weight"], w, outputs[1][k], s.dt, out, g):
+                return
+        _add_step(out, w, self._single_du(p, w), s.dt, g)
+
+    def _single_outputs(self, p: int, views: dict[str, Tensor], dense: NativeDense | None = None
+                        ) -> tuple[list, int]:
+        """The op outputs of layer p at forward state p: kept, or computed now (natively
+        with `dense`) and kept."""
+        kept = self._kept(p)
+        if kept is None:
+            u = self.states[p - self.offset]
+            y = torch.empty_like(u)
+            if dense is not None and dense.step(u, views["0.weight"], views["0.bias"], 0.0,
+                                                torch.empty_like(u), None, y):
+                kept = self._computed[p] = ([[y], [y]], 0)
+            else:
+                keep: list[Tensor] = []
+                self.stack.chain.single(views, u, keep)
+                kept = self._computed[p] = ([[y] for y in keep], 0)
+        return kept
 
     def _single_du(self, p: int, w: Tensor) -> Tensor:
         """(df/du)^T w for layer p at forward state p, one state, with plain calls from the
         op outputs kept for layer p (computed now, and kept, if there are none)."""
         views = self.stack.views(p)
-        kept = self._kept(p)
-        if kept is None:
-            keep: list[Tensor] = []
-            self.stack.chain.single(views, self.states[p - self.offset], keep)
-            kept = self._computed[p] = ([[y] for y in keep], 0)
-        outputs, k = kept
+        outputs, k = self._single_outputs(p, views)
         return self.stack.chain.single_vjp(views, w, [values[k] for values in outputs])
 
     def _layer_point(self, s: Step) -> int:

@@ -233,6 +233,7 @@ class LayerParallel(nn.Module):
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         with torch.no_grad():
             self._refresh_ghosts()
+            self.layers.refresh_native()
             solver = self._solver(u0, keep)
             res = solver.solve(u0.detach())
         if keep:
@@ -246,6 +247,7 @@ class LayerParallel(nn.Module):
             solver = self._adjoint_solver(grad_out)
             prop: AdjointPropagator = solver.prop
             prop.begin()
+            self.layers.refresh_native()
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = self._parameter_gradients(prop.gradients)

@@ -40,7 +40,7 @@ from .bench import mpiexec, w0_case
 from .bench_train import WORKLOADS, Workload, _forward_fn, _step_fn
 from .comm import Comm, MPIComm
 from .cycle import solve
-from .kernels import torch_convolutions
+from .kernels import torch_kernels
 from .nn import LayerParallel, serial_resnet
 from .trace import Event, Network, Prediction, Tracer, TracingComm, replay, run_ranks
 
@@ -153,7 +153,7 @@ class KernelCosts:
     def __enter__(self) -> "KernelCosts":
         # the layer kernels' convolutions go through the functions replaced here, not
         # through the native kernels
-        self._torch = torch_convolutions()
+        self._torch = torch_kernels()
         self._torch.__enter__()
         self._real = {"conv2d": F.conv2d, "conv2d_weight": torch.nn.grad.conv2d_weight}
         F.conv2d = self._conv2d
@@ -682,9 +682,10 @@ def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 
     """Everything docs/scaling.md reports: validation on 1 and 2 MPI ranks, the measured
     network, serial costs, the predicted curves (W1 from 2 ranks: one rank would hold all
     1024 conv layers' states) and hierarchy-depth variants of W2. Every method computes
-    with torch's convolutions (the virtual ranks charge W1's from measurements of those),
-    so that the ratios compare methods, not kernels."""
-    with torch_convolutions():
+    with torch's kernels, no native convolutions or dense steps (the virtual ranks charge
+    W1's convolutions from measurements of torch's), so that the ratios compare methods,
+    not kernels."""
+    with torch_kernels():
         return _study(ranks, variant_ranks)
 
 

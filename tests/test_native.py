@@ -141,17 +141,17 @@ def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
     monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
     monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: True)
-    monkeypatch.setenv("MGRIT_CONV", "torch")
-    assert kernels.conv_backend() == "torch"
+    monkeypatch.setenv("MGRIT_NATIVE", "torch")
+    assert kernels.native_backend() == "torch"
     assert torch.equal(kernels._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
     assert kernels._NATIVE_CHOICE == {}          # nothing was timed
-    monkeypatch.setenv("MGRIT_CONV", "fast")
-    with pytest.raises(ValueError, match="MGRIT_CONV='fast': expected one of auto, torch"):
-        kernels.conv_backend()
-    monkeypatch.delenv("MGRIT_CONV")
+    monkeypatch.setenv("MGRIT_NATIVE", "fast")
+    with pytest.raises(ValueError, match="MGRIT_NATIVE='fast': expected one of auto, torch"):
+        kernels.native_backend()
+    monkeypatch.delenv("MGRIT_NATIVE")
     torch.use_deterministic_algorithms(True)
     try:
-        assert kernels.conv_backend() == "torch"
+        assert kernels.native_backend() == "torch"
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -189,20 +189,20 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
 
 
 @pytest.mark.parametrize("name,methods", [
-    ("w1", ["layer-parallel mgrit", "layer-parallel mgrit, torch convolutions"]),
-    ("w2", ["layer-parallel mgrit"])])
-def test_the_bench_times_conv_networks_also_with_torch_convolutions(name, methods, monkeypatch):
+    ("w1", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"]),
+    ("w2", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"])])
+def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(name, methods, monkeypatch):
     from mgrit import bench_train
 
     seen = []
     monkeypatch.setattr(bench_train, "layer_parallel_times",
                         lambda work, repeats, comm=None: seen.append(
-                            (kernels.conv_backend(), os.environ.get("MGRIT_CONV"))) or {})
-    monkeypatch.setenv("MGRIT_CONV", "auto")
+                            (kernels.native_backend(), os.environ.get("MGRIT_NATIVE"))) or {})
+    monkeypatch.setenv("MGRIT_NATIVE", "auto")
     out = bench_train.layer_parallel_methods(bench_train.WORKLOADS[name](), 1)
     assert list(out) == methods
     assert seen == [("auto", "auto"), ("torch", "torch")][:len(methods)]
-    assert os.environ["MGRIT_CONV"] == "auto"
+    assert os.environ["MGRIT_NATIVE"] == "auto"
 
 
 @needs_native
@@ -217,3 +217,145 @@ def test_a_cpu_with_other_features_gets_its_own_build(tmp_path, monkeypatch):
         monkeypatch.setattr(native, "_cpu", lambda f=flags: "model name : AMD EPYC\n" + f)
         paths.append(native._build(native._compiler(), ["-O3"]))
     assert paths[0] != paths[1] and all(p.exists() for p in paths)
+
+
+# Dense tanh steps ------------------------------------------------------------------------
+
+def _dense_operands(count, rows, d, dtype, seed=0):
+    """Every other layer of a stack of 2*count (strided weights, as relaxation batches have
+    them), states (count, rows, d), adjoint states and g."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(2 * count, d, d, generator=gen, dtype=dtype)[::2] / d ** 0.5
+    b = torch.randn(2 * count, d, generator=gen, dtype=dtype)[::2]
+    u, a, g = (torch.randn(count, rows, d, generator=gen, dtype=dtype) for _ in range(3))
+    return w, b, u, a, g
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("count,rows,d", [(5, 3, 8), (1, 1, 32), (4, 2, 13), (2, 1, 1)])
+def test_dense_tanh_step_and_adjoint_equal_autograd(dtype, tol, count, rows, d):
+    w, b, u, a, g = _dense_operands(count, rows, d, dtype)
+    x = u.double().requires_grad_()
+    wd, bd = w.double().requires_grad_(), b.double().requires_grad_()
+    dt = 0.3
+    y = torch.tanh(x @ wd.transpose(1, 2) + bd[:, None])
+    step = x + dt * y
+    du, dw, db = torch.autograd.grad(step, (x, wd, bd), a.double())
+    y, step = y.detach(), step.detach()
+
+    out, keep = torch.empty_like(u), torch.empty_like(u)
+    native.dense_tanh(u, w, b, dt, out, None, keep)
+    assert relative([(out, step), (keep, y)]) <= tol
+    native.dense_tanh(u, w, b, dt, out, g)
+    assert relative([(out, g.double() + step)]) <= tol
+    inplace = u.clone()                                  # out may be the input itself
+    native.dense_tanh(inplace, w, b, dt, inplace, g)
+    assert torch.equal(inplace, out)
+    for n in range(count):                               # one layer at a time
+        one = torch.empty_like(u[n])
+        native.dense_tanh(u[n], w[n], b[n], dt, one)
+        assert relative([(one, step[n])]) <= tol
+
+    adj, gw, gb = torch.empty_like(a), torch.empty_like(w), torch.empty_like(b)
+    native.dense_tanh_vjp(w, a, keep, dt, adj, None, u, (gw, gb))
+    assert relative([(adj, du)]) <= tol
+    # the parameter cotangents are not scaled by dt
+    assert relative([(dt * gw, dw), (dt * gb, db)]) <= tol
+    native.dense_tanh_vjp(w, a, keep, dt, adj, g)
+    assert relative([(adj, g.double() + du)]) <= tol
+    native.dense_tanh_vjp(w, a, keep, dt, None, None, u, (gw, None))   # parameters alone
+    assert relative([(dt * gw, dw)]) <= tol
+
+
+def _bad_dense(case):
+    w, b, u, a, g = _dense_operands(3, 2, 4, torch.float64)
+    out = torch.empty_like(u)
+    calls = {
+        "wide": lambda: native.dense_tanh(torch.zeros(1, 2000), torch.zeros(2000, 2000),
+                                          None, 0.1, torch.zeros(1, 2000)),
+        "square": lambda: native.dense_tanh(u, w[:, :3], b, 0.1, out),
+        "state": lambda: native.dense_tanh(u[..., :3], w, b, 0.1, out),
+        "dtype": lambda: native.dense_tanh(u.float(), w, b, 0.1, out),
+        "count": lambda: native.dense_tanh(u[:2], w, b, 0.1, out[:2]),
+        "entries": lambda: native.dense_tanh(u.transpose(1, 2), w, b, 0.1, out),
+        "single": lambda: native.dense_tanh(torch.zeros(2, 8, dtype=u.dtype)[:, ::2], w[0], b[0],
+                                            0.1, out[0]),
+        "half": lambda: native.dense_tanh(u.half(), w.half(), b.half(), 0.1, out.half()),
+        "grads": lambda: native.dense_tanh_vjp(w, a, u, 0.1, out, x=u),
+    }
+    return calls[case]
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("wide", ValueError, "width 2000 is above the kernels' limit of 1024"),
+    ("square", ValueError, "w must be (d, d) or (count, d, d), got (3, 3, 4)"),
+    ("state", ValueError, "states must be (..., 4) with a leading dimension of 3"),
+    ("dtype", TypeError, "u must be a CPU tensor of torch.float64, got torch.float32"),
+    ("count", ValueError, "u must have shape (3, 2, 4), got (2, 2, 4)"),
+    ("entries", ValueError, "states must be (..., 4)"),
+    ("single", ValueError, "u must be contiguous"),
+    ("half", TypeError, "float32 or float64 tensors, got w of torch.float16"),
+    ("grads", ValueError, "the parameter cotangents need x and grads together")])
+def test_dense_tanh_names_bad_arguments(case, error, words):
+    with pytest.raises(error) as info:
+        _bad_dense(case)()
+    assert words in str(info.value)
+
+
+@needs_native
+def test_dense_tanh_refuses_entries_that_are_not_contiguous():
+    w, b, u, _, _ = _dense_operands(3, 4, 4, torch.float64)
+    wide = torch.zeros(3, 4, 8, dtype=torch.float64)[..., ::2]      # rows 8 values apart
+    with pytest.raises(ValueError, match="each entry of out must be contiguous"):
+        native.dense_tanh(u, w, b, 0.1, wide)
+
+
+def _count_native(monkeypatch):
+    calls = []
+    for name in ("step", "vjp", "vjp_single"):
+        original = getattr(kernels.NativeDense, name)
+        monkeypatch.setattr(kernels.NativeDense, name,
+                            lambda self, *a, _f=original, _n=name, **k:
+                            calls.append(_n) or _f(self, *a, **k))
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeypatch):
+    """An inexact solve (two levels, one backward cycle: single steps, batches, the
+    adjoint's recorded gradients) of a dense tanh network, float64: output and gradients
+    with the native kernels equal those of torch's kernels to rounding; the native kernels
+    ran for forward steps, single adjoint steps and adjoint batches, and only where
+    MGRIT_NATIVE allows them."""
+    config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
+    x, y = data("dense", 4)
+    results = {}
+    for mode in ("torch", backend):
+        monkeypatch.setenv("MGRIT_NATIVE", mode)
+        calls = _count_native(monkeypatch) if mode == backend else []
+        model, _ = build("dense", 17, config, config)
+        out = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+        results[mode] = [out.detach()] + [p.grad for p in model.parameters()]
+        monkeypatch.undo()
+    assert relative(list(zip(results[backend], results["torch"]))) <= 1e-12
+    if backend == "auto":
+        assert {"step", "vjp", "vjp_single"} <= set(calls)
+    else:
+        assert calls == []
+
+
+@needs_native
+def test_states_wider_than_the_native_limit_stay_with_torch(monkeypatch):
+    calls = _count_native(monkeypatch)
+    config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
+    rows = kernels.DENSE_NATIVE_MAX_VALUES // 8 + 1          # width 8
+    x, y = data("dense", rows)
+    model, _ = build("dense", 9, config, config)
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert calls == []
+    x, y = data("dense", rows - 1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert calls

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.kernels import torch_convolutions
+from mgrit.kernels import torch_kernels
 from mgrit.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
                            network_from, serial_seconds, virtual_checks)
 from mgrit.trace import (Network, ReplayError, Tracer, TracingComm, VirtualFailure,
@@ -382,18 +382,18 @@ def test_charged_convolutions_keep_the_solver_course():
             return run_ranks(2, program)
 
     real_calls = []
-    saved = os.environ.get("MGRIT_CONV")
+    saved = os.environ.get("MGRIT_NATIVE")
     conv2d, conv2d_weight = F.conv2d, torch.nn.grad.conv2d_weight
     F.conv2d = lambda *a, **k: real_calls.append(1) or conv2d(*a, **k)
     torch.nn.grad.conv2d_weight = lambda *a, **k: real_calls.append(1) or conv2d_weight(*a, **k)
     try:
-        with torch_convolutions():
+        with torch_kernels():
             real = run(None)
     finally:
         F.conv2d, torch.nn.grad.conv2d_weight = conv2d, conv2d_weight
     kernels = KernelCosts()
     assert run(kernels) == real
-    assert os.environ.get("MGRIT_CONV") == saved      # the stand-ins' switch is undone
+    assert os.environ.get("MGRIT_NATIVE") == saved      # the stand-ins' switch is undone
     assert real[0][0] == [2, 1]
     assert kernels.calls == len(real_calls) > 0
 
