@@ -381,20 +381,6 @@ class Chain:
 DENSE_NATIVE_MAX_VALUES = 256
 
 
-def _entry_stride(t: Tensor) -> int | None:
-    """The distance between t's entries along its first dimension, or None unless each
-    entry is contiguous (what the native kernels read)."""
-    if t.is_contiguous():
-        return t.stride(0)
-    shape, strides = t.shape, t.stride()
-    expect = 1
-    for i in range(len(shape) - 1, 0, -1):
-        if shape[i] != 1 and strides[i] != expect:
-            return None
-        expect *= shape[i]
-    return strides[0]
-
-
 class NativeDense:
     """The residual step u + dt tanh(u W^T + b) of a `Linear(d, d) -> Tanh` layer and its
     adjoint on `mgrit.native`'s fused kernels (CPU, float32/float64): one C call per step
@@ -451,7 +437,7 @@ class NativeDense:
             return False
         args: list = []
         for t in (w, a, y, g, out, x, gw, gb):
-            stride = 0 if t is None else _entry_stride(t)
+            stride = 0 if t is None else native.entry_stride(t)
             if stride is None:
                 return False
             args += (None, 0) if t is None else (t.data_ptr(), stride)

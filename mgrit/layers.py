@@ -70,7 +70,8 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
 
 
 def is_dense_tanh(template: nn.Module) -> bool:
-    """Exactly Linear(d, d) with bias, then Tanh: the step the CUDA kernels implement."""
+    """Exactly Linear(d, d) with bias, then Tanh: the step that the CUDA kernels and the
+    native CPU dense kernels implement."""
     return (isinstance(template, nn.Sequential) and len(template) == 2
             and type(template[0]) is nn.Linear and template[0].bias is not None
             and template[0].in_features == template[0].out_features
@@ -566,16 +567,18 @@ class AdjointPropagator:
         """The op outputs of layer p at forward state p: kept, or computed now (natively
         with `dense`) and kept."""
         kept = self._kept(p)
-        if kept is None:
-            u = self.states[p - self.offset]
+        if kept is not None:
+            return kept
+        u = self.states[p - self.offset]
+        if dense is not None:
             y = torch.empty_like(u)
-            if dense is not None and dense.step(u, views["0.weight"], views["0.bias"], 0.0,
-                                                torch.empty_like(u), None, y):
+            if dense.step(u, views["0.weight"], views["0.bias"], 0.0, torch.empty_like(u),
+                          None, y):
                 kept = self._computed[p] = ([[y], [y]], 0)
-            else:
-                keep: list[Tensor] = []
-                self.stack.chain.single(views, u, keep)
-                kept = self._computed[p] = ([[y] for y in keep], 0)
+                return kept
+        keep: list[Tensor] = []
+        self.stack.chain.single(views, u, keep)
+        kept = self._computed[p] = ([[y] for y in keep], 0)
         return kept
 
     def _single_du(self, p: int, w: Tensor) -> Tensor:

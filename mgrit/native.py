@@ -5,11 +5,12 @@ on W1's 3-channel 28x28 layers at batch 50 it takes about a quarter of the time 
 default CPU convolution. `dense_tanh` and `dense_tanh_vjp` (mgrit/csrc/dense.c) are the
 residual step u + h tanh(u W^T + b) of a dense layer and its adjoint over a batch of layers
 in one call, where torch needs four or five (W2's width 32 at batch 1: a step is less
-arithmetic than one torch call's overhead). The library is built with `$CC` (else cc, gcc or clang on PATH),
-`-O3 -march=native`, into a cache folder ($MGRIT_CACHE_DIR, else $XDG_CACHE_HOME/mgrit, else
-~/.cache/mgrit) under a name that hashes the source, the compiler, the flags and the CPU, so
-a cache shared between machines never hands one a library built for another. Where no
-compiler works, `available()` is False and callers use torch.
+arithmetic than one torch call's overhead). The library is built with `$CC` (else cc, gcc
+or clang on PATH), `-O3 -march=native`, into a cache folder ($MGRIT_CACHE_DIR, else
+$XDG_CACHE_HOME/mgrit, else ~/.cache/mgrit) under a name that hashes the sources, the
+compiler, the flags and the CPU, so a cache shared between machines never hands one a
+library built for another. Where no compiler works, `available()` is False and callers use
+torch.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def _cpu() -> str:
 
 
 def _build(cc: str, flags: list[str]) -> Path:
-    """Compile SOURCES into one library in the cache (written under a temporary name and renamed, so ranks
-    that build at once never load a half-written file) unless it is there already."""
+    """Compile SOURCES into one library in the cache (written under a temporary name and
+    renamed, so ranks that build at once never load a half-written file) unless it is
+    there already."""
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), cc, *flags,
                                     platform.machine(), _cpu()]).encode()).hexdigest()[:16]
     folder = _cache_dir()
@@ -231,6 +233,20 @@ def conv2d_weight(x: Tensor, w_shape: tuple[int, ...], g: Tensor) -> Tensor:
     return gw
 
 
+def entry_stride(t: Tensor) -> int | None:
+    """The distance between t's entries along its first dimension, or None unless each
+    entry is contiguous (what the dense kernels read)."""
+    if t.is_contiguous():
+        return t.stride(0)
+    shape, strides = t.shape, t.stride()
+    expect = 1
+    for i in range(len(shape) - 1, 0, -1):
+        if shape[i] != 1 and strides[i] != expect:
+            return None
+        expect *= shape[i]
+    return strides[0]
+
+
 def _entries(name: str, what: str, t: Tensor, count: int | None, shape: tuple[int, ...],
              dtype: torch.dtype) -> int:
     """The stride between t's entries (0 for one layer, count None), after checking that t
@@ -245,13 +261,22 @@ def _entries(name: str, what: str, t: Tensor, count: int | None, shape: tuple[in
         if not t.is_contiguous():
             raise ValueError(f"{name}: {what} must be contiguous")
         return 0
-    expect = 1
-    for size, stride in zip(reversed(full[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != expect:
-            raise ValueError(f"{name}: each entry of {what} must be contiguous, got strides "
-                             f"{t.stride()}")
-        expect *= size
-    return t.stride(0)
+    stride = entry_stride(t)
+    if stride is None:
+        raise ValueError(f"{name}: each entry of {what} must be contiguous, got strides "
+                         f"{t.stride()}")
+    return stride
+
+
+def _pointers(name: str, count: int | None, dtype: torch.dtype,
+              operands: tuple[tuple[str, Tensor | None, tuple[int, ...]], ...]) -> list:
+    """(pointer, entry stride) per operand (what, tensor or None, one entry's shape),
+    flattened, each checked by `_entries`; (None, 0) for a missing one."""
+    args: list = []
+    for what, t, shape in operands:
+        args += [None, 0] if t is None else [t.data_ptr(),
+                                            _entries(name, what, t, count, shape, dtype)]
+    return args
 
 
 def _dense_layout(name: str, w: Tensor, u: Tensor) -> tuple[int | None, tuple[int, ...], int]:
@@ -280,12 +305,10 @@ def dense_tanh(u: Tensor, w: Tensor, b: Tensor | None, dt: float, out: Tensor,
     layers). out may be u itself. float32 or float64 CPU tensors; no autograd graph."""
     name = "dense_tanh"
     count, state, rows = _dense_layout(name, w, u)
-    d, dtype = w.shape[-1], w.dtype
-    args = []
-    for what, t, shape in (("u", u, state), ("w", w, (d, d)), ("b", b, (d,)), ("g", g, state),
-                           ("out", out, state), ("keep", keep, state)):
-        args += [None, 0] if t is None else [t.data_ptr(),
-                                            _entries(name, what, t, count, shape, dtype)]
+    d = w.shape[-1]
+    args = _pointers(name, count, w.dtype, (
+        ("u", u, state), ("w", w, (d, d)), ("b", b, (d,)), ("g", g, state), ("out", out, state),
+        ("keep", keep, state)))
     if u.numel():
         _call(name, u, *args, dt, 1 if count is None else count, rows, d)
 
@@ -300,15 +323,12 @@ def dense_tanh_vjp(w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | Non
     rows of each layer's states and gb = the sum of s's rows, s = a * (1 - y^2)."""
     name = "dense_tanh_vjp"
     count, state, rows = _dense_layout(name, w, a)
-    d, dtype = w.shape[-1], w.dtype
+    d = w.shape[-1]
     gw, gb = grads if grads is not None else (None, None)
     if (x is None) != (grads is None):
         raise ValueError(f"{name}: the parameter cotangents need x and grads together")
-    args = []
-    for what, t, shape in (("w", w, (d, d)), ("a", a, state), ("y", y, state), ("g", g, state),
-                           ("out", out, state), ("x", x, state), ("gw", gw, (d, d)),
-                           ("gb", gb, (d,))):
-        args += [None, 0] if t is None else [t.data_ptr(),
-                                            _entries(name, what, t, count, shape, dtype)]
+    args = _pointers(name, count, w.dtype, (
+        ("w", w, (d, d)), ("a", a, state), ("y", y, state), ("g", g, state), ("out", out, state),
+        ("x", x, state), ("gw", gw, (d, d)), ("gb", gb, (d,))))
     if a.numel() or gw is not None:
         _call(name, a, *args, dt, 1 if count is None else count, rows, d)

@@ -191,7 +191,8 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
 @pytest.mark.parametrize("name,methods", [
     ("w1", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"]),
     ("w2", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"])])
-def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(name, methods, monkeypatch):
+def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(name, methods,
+                                                                              monkeypatch):
     from mgrit import bench_train
 
     seen = []

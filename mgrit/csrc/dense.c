@@ -10,8 +10,9 @@
  *
  * g (and keep, gw, gb) may be null. Layer n's data starts n times its stride after the
  * first layer's (strides in elements, any sign): a batch of layers is a strided view of a
- * stacked parameter tensor. The `_one` variants take one layer with contiguous operands. Each layer's own rows are contiguous. A step's result may be
- * written over its input (out == u): each row is computed in full before it is stored.
+ * stacked parameter tensor. Each layer's own rows are contiguous. A step's result may be
+ * written over its input (out == u): each row is computed in full before it is stored. The
+ * `_one` variants take one layer with contiguous operands.
  *
  * At width 32 and one state a step is about a thousand multiply-adds, less work than one
  * call of torch's CPU dispatcher: these kernels replace four or five torch calls with one.
@@ -42,6 +43,15 @@ static inline T dot_##SUFFIX(const T *a, const T *b, int64_t d) {               
     return sum;                                                                            \
 }                                                                                          \
                                                                                            \
+/* o = g + base + h inc over d values (g may be null; o may be base) */                    \
+static inline void residual_##SUFFIX(T *o, const T *base, const T *inc, const T *g, T h,   \
+                                     int64_t d) {                                          \
+    for (int64_t i = 0; i < d; ++i) {                                                      \
+        T v = base[i] + h * inc[i];                                                        \
+        o[i] = g ? g[i] + v : v;                                                           \
+    }                                                                                      \
+}                                                                                          \
+                                                                                           \
 int mgrit_dense_tanh_##SUFFIX(const T *u, int64_t su, const T *w, int64_t sw, const T *b, \
                               int64_t sb, const T *g, int64_t sg, T *out, int64_t so,      \
                               T *keep, int64_t sk, T h, int64_t count, int64_t rows,       \
@@ -55,12 +65,8 @@ int mgrit_dense_tanh_##SUFFIX(const T *u, int64_t su, const T *w, int64_t sw, co
             for (int64_t i = 0; i < d; ++i)                                                \
                 y[i] = TANH(dot_##SUFFIX(wn + i * d, ur, d) + (bn ? bn[i] : (T)0));        \
             if (keep) memcpy(keep + n * sk + r * d, y, d * sizeof(T));                     \
-            const T *gr = g ? g + n * sg + r * d : NULL;                                   \
-            T *o = out + n * so + r * d;                                                   \
-            for (int64_t i = 0; i < d; ++i) {                                              \
-                T v = ur[i] + h * y[i];                                                    \
-                o[i] = gr ? gr[i] + v : v;                                                 \
-            }                                                                              \
+            residual_##SUFFIX(out + n * so + r * d, ur, y, g ? g + n * sg + r * d : NULL,  \
+                              h, d);                                                       \
         }                                                                                  \
     }                                                                                      \
     return 0;                                                                              \
@@ -92,12 +98,8 @@ int mgrit_dense_tanh_vjp_##SUFFIX(const T *w, int64_t sw, const T *a, int64_t sa
             for (int64_t j = 0; j < d; ++j) acc[j] = 0;                                    \
             for (int64_t i = 0; i < d; ++i)                                                \
                 for (int64_t j = 0; j < d; ++j) acc[j] += s[i] * wn[i * d + j];            \
-            const T *gr = g ? g + n * sg + r * d : NULL;                                   \
-            T *o = out + n * so + r * d;                                                   \
-            for (int64_t j = 0; j < d; ++j) {                                              \
-                T v = ar[j] + h * acc[j];                                                  \
-                o[j] = gr ? gr[j] + v : v;                                                 \
-            }                                                                              \
+            residual_##SUFFIX(out + n * so + r * d, ar, acc, g ? g + n * sg + r * d : NULL, \
+                              h, d);                                                       \
         }                                                                                  \
     }                                                                                      \
     return 0;                                                                              \
