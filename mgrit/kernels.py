@@ -448,7 +448,9 @@ class NativeDense:
 
     def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
                    g: Tensor | None = None) -> bool:
-        """`vjp` for one layer, without parameter cotangents."""
+        """`vjp` for one layer, without parameter cotangents; a that is all zeros (the
+        adjoint's zero check, NaN not zero) gives out = g (zero without g) and y is not
+        read."""
         if not (w.dtype == a.dtype and a.is_contiguous() and y.is_contiguous()
                 and out.is_contiguous()
                 and w.is_contiguous() and (g is None or g.is_contiguous())):

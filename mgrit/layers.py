@@ -125,6 +125,9 @@ class LayerStack(nn.Module):
         self._detached_key: tuple[int, ...] = ()
         self.chain = Chain.of(template)
         self.dense_tanh = is_dense_tanh(template)
+        # the layer width, read once: indexing the template (a Sequential) on every step
+        # would cost as much as the native step itself
+        self._dense_width = template[0].in_features if self.dense_tanh else 0
         self._native_dense: dict = {}     # dtype -> NativeDense, or False where it cannot run
         self.refresh_native()
 
@@ -139,7 +142,7 @@ class LayerStack(nn.Module):
         see NativeDense.of)."""
         if not (self.dense_tanh and self._native_allowed):
             return None
-        return NativeDense.of(x, values, self.template[0].in_features, self._native_dense)
+        return NativeDense.of(x, values, self._dense_width, self._native_dense)
 
     @property
     def count(self) -> int:
@@ -544,23 +547,51 @@ class AdjointPropagator:
     def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
         """out = g + (this step's adjoint)(w) (g None: zero), in place; see
         NetworkPropagator.step_into."""
-        if self.stack.chain is None or (self.recording and s.level == 0):
+        if self.stack.chain is None:
             write_result(out, self.step(w, s), g)
             return
+        dense = self.stack.native_dense(w, w.numel())
+        p = self._layer_point(s)
+        if self.recording and s.level == 0:
+            if dense is None or not self._record_single(dense, p, w, s.dt, out, g):
+                write_result(out, self.step(w, s), g)
+            return
+        if dense is not None:
+            kept = self._kept(p)
+            # with the forward's tanh at hand the kernel makes the zero check itself
+            if kept is not None and dense.vjp_single(self.stack.views(p)["0.weight"], w,
+                                                     kept[0][1][kept[1]], s.dt, out, g):
+                return
         if not _is_nonzero(w):
             if g is None:
                 out.zero_()
             else:
                 out.copy_(g)
             return
-        p = self._layer_point(s)
-        dense = self.stack.native_dense(w, w.numel())
         if dense is not None:
             views = self.stack.views(p)
             outputs, k = self._single_outputs(p, views, dense)
             if dense.vjp_single(views["0.weight"], w, outputs[1][k], s.dt, out, g):
                 return
         _add_step(out, w, self._single_du(p, w), s.dt, g)
+
+    def _record_single(self, dense: NativeDense, p: int, w: Tensor, dt: float, out: Tensor,
+                       g: Tensor | None) -> bool:
+        """A recorded fine step (the final sweep's march) on the native kernels: out = g +
+        the step's adjoint of w, and layer p's parameter cotangents appended to
+        `gradients`, in one call. False, having done nothing, where the kernels do not
+        apply."""
+        views = self.stack.views(p)
+        weight = views["0.weight"]
+        outputs, k = self._single_outputs(p, views, dense)
+        gw = torch.empty((1, *weight.shape), dtype=weight.dtype)
+        gb = torch.empty((1, weight.shape[0]), dtype=weight.dtype)
+        u = self.states[p - self.offset]
+        if not dense.vjp(weight[None], w[None], outputs[1][k][None], dt, out[None],
+                         None if g is None else g[None], u[None], gw, gb):
+            return False
+        self.gradients.append(([p], {"0.weight": gw, "0.bias": gb}, dt))
+        return True
 
     def _single_outputs(self, p: int, views: dict[str, Tensor], dense: NativeDense | None = None
                         ) -> tuple[list, int]:

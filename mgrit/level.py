@@ -52,6 +52,9 @@ class Level:
         self.u_rows = list(self.u)
         self.g_rows = list(self.g) if fas else None
         self._steps: dict[int, Step] = {}
+        # which phase moves the boundary points, fixed by the grid: asked at every phase
+        self._ghost_after_c = self.grid.is_c_point(self.first - 1)
+        self._last_after_c = self.grid.is_c_point(self.last)
 
     # index maths -----------------------------------------------------------
     @property
@@ -94,7 +97,7 @@ class Level:
     def post_ghost(self, c_phase: bool) -> None:
         """Post the receive of the previous rank's last point for this phase."""
         prev = self.local.prev_rank
-        if prev is not None and self.grid.is_c_point(self.first - 1) == c_phase:
+        if prev is not None and self._ghost_after_c == c_phase:
             self.wait_ghost()
             self._recvs[_U_TAG] = self.comm.irecv(self.u[0], prev, self.tag(_U_TAG))
 
@@ -112,8 +115,8 @@ class Level:
         send the last point to the next rank if this phase changed it."""
         self.touched()
         nxt = self.local.next_rank
-        if nxt is not None and self.grid.is_c_point(self.last) == c_phase:
-            self._send(_U_TAG, self.u[-1], nxt)
+        if nxt is not None and self._last_after_c == c_phase:
+            self._send(_U_TAG, self.u_rows[-1], nxt)
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:

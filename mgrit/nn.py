@@ -20,6 +20,9 @@ from .grid import (adjoint_blocks, build_hierarchy, coarse_layer_needs, layer_ra
 from .layers import AdjointPropagator, LayerStack, NetworkPropagator, build_layers
 
 CHECKPOINT_FORMAT = 1
+# up to this many parameter values on a rank, the recorded gradients are gathered in one
+# scatter per tensor; above, batch by batch (fewer passes over large data)
+_GATHERED_GRADIENTS = 1 << 16
 
 
 class ResidualStep(nn.Module):
@@ -262,30 +265,47 @@ class LayerParallel(nn.Module):
     def _parameter_gradients(self, recorded: list[tuple[list[int], dict[str, Tensor], float]]
                              ) -> dict[str, Tensor]:
         """dL/dtheta of the owned layers, as the adjoint's final fine sweep recorded them (its
-        one VJP per layer, at final values, gives both w_n and dL/dtheta_n)."""
+        one VJP per layer, at final values, gives both w_n and dL/dtheta_n); where a layer
+        was recorded twice, the later entry counts."""
         lo, hi = self.layer_range
-        grads = {name: torch.zeros_like(self.layers.params[name.replace(".", "__")])
-                 for name in self.layers.names}
-        reached = torch.zeros(max(hi - lo + 1, 0), dtype=torch.bool)
+        count = max(hi - lo + 1, 0)
+        rows = [layer - lo for layers, _, _ in recorded for layer in layers]
+        reached = set(rows)
+        if not reached.issuperset(range(count)):
+            missing = [lo + r for r in sorted(set(range(count)) - reached)]
+            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+        params = {name: self.layers.params[name.replace(".", "__")] for name in self.layers.names}
+        dts = {dt for _, _, dt in recorded}
+        values = count * sum(p[0].numel() for p in params.values()) if count else 0
+        if len(rows) == count and len(dts) == 1 and values <= _GATHERED_GRADIENTS:
+            # every layer once, one step size, little data (W2 on many ranks: a few batches
+            # of a few layers): one scatter per tensor instead of a few calls per batch
+            dt = dts.pop()
+            index = torch.tensor(rows)
+            grads = {}
+            for name, param in params.items():
+                parts = [cotangents[name] for _, cotangents, _ in recorded]
+                grad = torch.empty_like(param)
+                grad.index_copy_(0, index.to(param.device),
+                                 torch.cat(parts) if len(parts) > 1 else parts[0])
+                grads[name] = grad.mul_(dt)
+            return grads
+        grads = {name: torch.zeros_like(param) for name, param in params.items()}
         for layers, cotangents, dt in recorded:
             first, step = layers[0] - lo, (layers[1] - layers[0] if len(layers) > 1 else 1)
             if step != 0 and layers == list(range(layers[0], layers[-1] + step, step)):
                 # an arithmetic progression (every batch is): slices, not index tensors
-                rows = slice(min(first, layers[-1] - lo), max(first, layers[-1] - lo) + 1,
-                             abs(step))
+                at: slice | Tensor = slice(min(first, layers[-1] - lo),
+                                           max(first, layers[-1] - lo) + 1, abs(step))
                 flip = step < 0
             else:
-                rows, flip = torch.tensor(layers) - lo, False
-            reached[rows] = True
+                at, flip = torch.tensor(layers) - lo, False
             for name in grads:
                 cot = cotangents[name]
-                if isinstance(rows, slice):
-                    torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][rows])
+                if isinstance(at, slice):
+                    torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][at])
                 else:
-                    grads[name][rows.to(cot.device)] = dt * cot
-        if not bool(reached.all()):
-            missing = (torch.nonzero(~reached).flatten() + lo).tolist()
-            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+                    grads[name][at.to(cot.device)] = dt * cot
         return grads
 
     def forward(self, x: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import mgrit
+from mgrit import nn as nn_module
 
 from nets import build, data, owned_pairs, relative
 
@@ -274,6 +275,40 @@ def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind
         for name, param in layer.named_parameters():
             mine = model.layers.params[name.replace(".", "__")].grad[n]
             assert torch.allclose(mine, param.grad, rtol=1e-12, atol=1e-14), (n, name)
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_recorded_gradients_are_assembled_alike_in_one_scatter_and_batch_by_batch(
+        kind, monkeypatch):
+    """The adjoint's recorded parameter cotangents become the same gradients (to the bit)
+    whether gathered in one scatter per tensor (few values) or written batch by batch."""
+    config = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
+    x, y = data(kind, 4)
+    grads = []
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(nn_module, "_GATHERED_GRADIENTS", limit)
+        model, _ = build(kind, 16, config, config)
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_recorded_gradients_take_a_layers_later_entry_and_name_layers_never_reached():
+    config = mgrit.Config(levels=2, coarsening=2)
+    model, _ = build("dense", 4, config, config)
+    names = model.layers.names
+    shapes = {n: model.layers.params[n.replace(".", "__")].shape[1:] for n in names}
+
+    def entry(layers, value, dt=0.5):
+        return layers, {n: torch.full((len(layers), *shapes[n]), value, dtype=torch.float64)
+                        for n in names}, dt
+
+    grads = model._parameter_gradients([entry([3, 2, 1, 0], 1.0), entry([2], 3.0)])
+    for n in names:
+        got = grads[n].flatten(1)[:, 0].tolist()
+        assert got == [0.5, 0.5, 1.5, 0.5], n
+    with pytest.raises(RuntimeError, match=r"did not reach layers \[0, 2\]"):
+        model._parameter_gradients([entry([3, 1], 1.0)])
 
 
 def test_stacked_layer_batches_follow_updates_and_conversions():

@@ -12,7 +12,8 @@
  * first layer's (strides in elements, any sign): a batch of layers is a strided view of a
  * stacked parameter tensor. Each layer's own rows are contiguous. A step's result may be
  * written over its input (out == u): each row is computed in full before it is stored. The
- * `_one` variants take one layer with contiguous operands.
+ * `_one` variants take one layer with contiguous operands; the single adjoint step also
+ * checks its cotangent for zeros (see there).
  *
  * At width 32 and one state a step is about a thousand multiply-adds, less work than one
  * call of torch's CPU dispatcher: these kernels replace four or five torch calls with one.
@@ -112,8 +113,18 @@ int mgrit_dense_tanh_one_##SUFFIX(const T *u, const T *w, const T *b, const T *g
     return mgrit_dense_tanh_##SUFFIX(u, 0, w, 0, b, 0, g, 0, out, 0, keep, 0, h, 1, rows, d); \
 }                                                                                          \
                                                                                            \
+/* with the zero check of the adjoint's march: a cotangent of zeros (NaN is not zero) maps \
+ * to zero, so out = g whatever y holds                                                    \
+ */                                                                                        \
 int mgrit_dense_tanh_vjp_one_##SUFFIX(const T *w, const T *a, const T *y, const T *g,      \
                                       T *out, T h, int64_t rows, int64_t d) {              \
+    int64_t n = rows * d, i = 0;                                                           \
+    while (i < n && a[i] == 0) ++i;                                                        \
+    if (i == n) {                                                                          \
+        if (!g) memset(out, 0, n * sizeof(T));                                             \
+        else if (out != g) memmove(out, g, n * sizeof(T));                                 \
+        return 0;                                                                          \
+    }                                                                                      \
     return mgrit_dense_tanh_vjp_##SUFFIX(w, 0, a, 0, y, 0, g, 0, out, 0, NULL, 0, NULL, 0,  \
                                          NULL, 0, h, 1, rows, d);                          \
 }
