@@ -432,7 +432,9 @@ class NativeDense:
             gb: Tensor | None = None) -> bool:
         """For a batch of layers: out = g + a + dt (a (1 - y^2)) w, with y the tanh that
         the forward step kept; with x (its input states) gw and gb receive the parameter
-        cotangents s^T x and the sum of s's rows, s = a (1 - y^2), not scaled by dt."""
+        cotangents s^T x and the sum of s's rows, s = a (1 - y^2), not scaled by dt. A
+        layer whose a is all zeros (NaN not zero) gets out = g (zero without g) and zero
+        cotangents; its y and x are not read."""
         if w.dtype != a.dtype:
             return False
         args: list = []
@@ -448,9 +450,7 @@ class NativeDense:
 
     def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
                    g: Tensor | None = None) -> bool:
-        """`vjp` for one layer, without parameter cotangents; a that is all zeros (the
-        adjoint's zero check, NaN not zero) gives out = g (zero without g) and y is not
-        read."""
+        """`vjp` for one layer, without parameter cotangents (a of zeros included)."""
         if not (w.dtype == a.dtype and a.is_contiguous() and y.is_contiguous()
                 and out.is_contiguous()
                 and w.is_contiguous() and (g is None or g.is_contiguous())):

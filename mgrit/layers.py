@@ -496,6 +496,12 @@ class AdjointPropagator:
         is exactly zero (much of a first cycle from a zero guess) map to zero and are
         skipped: the result is the same to the bit."""
         record = self.recording and level == 0
+        if self.stack.chain is not None:
+            dense = self.stack.native_dense(ws, _per_entry(ws))
+            if dense is not None:
+                out = self._native_vjp(dense, tensors, us, ws, layers, dt, batch, record)
+                if out is not None:
+                    return out
         nonzero = _nonzero_rows(ws)
         if not all(nonzero):
             out = torch.zeros_like(ws)
@@ -523,26 +529,38 @@ class AdjointPropagator:
                                   ws.reshape(shape), dt).reshape(ws.shape)
         values = None
         if self.stack.chain is not None:
-            values = batch[2] if batch is not None else None
-            if values is None:
-                values = self._values(tensors, us, layers)
-                if batch is not None:
-                    batch[2] = values
-            dense = self.stack.native_dense(ws, _per_entry(ws))
-            if dense is not None:
-                out = torch.empty_like(ws)
-                w = tensors["0.weight"]
-                gw = torch.empty(w.shape, dtype=w.dtype) if record else None
-                gb = torch.empty(w.shape[:2], dtype=w.dtype) if record else None
-                if dense.vjp(w, ws, values[2], dt, out, None, us if record else None, gw, gb):
-                    if record:
-                        self.gradients.append((layers, {"0.weight": gw, "0.bias": gb}, dt))
-                    return out
+            values = self._batch_values(tensors, us, layers, batch)
         du, dp = self.stack.vjp_batch(tensors, us, ws, want_input=True, want_params=record,
                                       values=values)
         if record:
             self.gradients.append((layers, dp, dt))
         return torch.add(ws, du, alpha=dt)
+
+    def _batch_values(self, tensors: dict[str, Tensor], us: Tensor, layers: list[int],
+                      batch: list | None) -> list:
+        """The batch's op outputs: kept in its `_gathered` entry, or gathered (and kept)."""
+        values = batch[2] if batch is not None else None
+        if values is None:
+            values = self._values(tensors, us, layers)
+            if batch is not None:
+                batch[2] = values
+        return values
+
+    def _native_vjp(self, dense: NativeDense, tensors: dict[str, Tensor], us: Tensor,
+                    ws: Tensor, layers: list[int], dt: float, batch: list | None, record: bool
+                    ) -> Tensor | None:
+        """`_vjp` on the native kernels, which skip zero entries themselves; None, having
+        recorded nothing, where the operands' layout does not suit them."""
+        values = self._batch_values(tensors, us, layers, batch)
+        out = torch.empty_like(ws)
+        w = tensors["0.weight"]
+        gw = torch.empty(w.shape, dtype=w.dtype) if record else None
+        gb = torch.empty(w.shape[:2], dtype=w.dtype) if record else None
+        if not dense.vjp(w, ws, values[2], dt, out, None, us if record else None, gw, gb):
+            return None
+        if record:
+            self.gradients.append((layers, {"0.weight": gw, "0.bias": gb}, dt))
+        return out
 
     def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
         """out = g + (this step's adjoint)(w) (g None: zero), in place; see

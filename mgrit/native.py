@@ -320,7 +320,9 @@ def dense_tanh_vjp(w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | Non
     dt * (a * (1 - y^2)) w, in place, for one layer or a batch (shapes as in dense_tanh;
     out may be a itself, or None for the parameters alone). With `grads` = (gw, gb) (gb may
     be None) and x, also the parameter cotangents, not scaled by dt: gw = s^T x over the
-    rows of each layer's states and gb = the sum of s's rows, s = a * (1 - y^2)."""
+    rows of each layer's states and gb = the sum of s's rows, s = a * (1 - y^2). A layer
+    whose a is all zeros (NaN is not zero) gets out = g (zero without g) and zero
+    cotangents without its y and x being read: the adjoint is linear in a."""
     name = "dense_tanh_vjp"
     count, state, rows = _dense_layout(name, w, a)
     d = w.shape[-1]

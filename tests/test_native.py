@@ -374,6 +374,28 @@ def test_single_adjoint_step_maps_a_zero_cotangent_to_g_without_reading_y(dtype)
 
 
 @needs_native
+def test_adjoint_batches_skip_zero_entries_without_reading_their_y_or_x():
+    """In a batch, an entry whose cotangent is all zeros gets out = g and zero parameter
+    cotangents, whatever its y and x hold; the other entries are those of the whole batch
+    computed with every entry's real values."""
+    w, b, u, a, g = _dense_operands(4, 3, 8, torch.float64)
+    y = torch.tanh(u @ w.transpose(1, 2) + b[:, None])
+    a[1] = 0.0
+    a[3] = 0.0
+    full = [torch.empty_like(a), torch.empty_like(w), torch.empty_like(b)]
+    native.dense_tanh_vjp(w, a, y, 0.3, full[0], g, u, (full[1], full[2]))
+    spoilt_y, spoilt_u = y.clone(), u.clone()
+    spoilt_y[[1, 3]] = float("nan")
+    spoilt_u[[1, 3]] = float("nan")
+    got = [torch.full_like(t, 7.0) for t in full]
+    native.dense_tanh_vjp(w, a, spoilt_y, 0.3, got[0], g, spoilt_u, (got[1], got[2]))
+    assert all(torch.equal(x, z) for x, z in zip(got, full))
+    assert torch.equal(got[0][[1, 3]], g[[1, 3]])
+    assert not got[1][[1, 3]].any() and not got[2][[1, 3]].any()
+    assert got[1][[0, 2]].abs().sum() > 0 and got[2][[0, 2]].abs().sum() > 0
+
+
+@needs_native
 def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps(
         monkeypatch):
     """On 3 virtual ranks, where the adjoint's final sweep marches the F-points that a rank

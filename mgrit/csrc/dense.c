@@ -7,13 +7,15 @@
  *   vjp:   out_n = g_n + w_n + h s_n W_n,  s_n = w_n * (1 - y_n^2)
  *          and, for the parameters, gw_n = s_n^T x_n, gb_n = sum of the rows of s_n
  *          (x_n: the states the forward step started from; not scaled by h)
+ *          A layer whose w_n is all zeros (NaN is not zero) gets out_n = g_n (zero
+ *          without g) and zero parameter cotangents without reading y_n and x_n: the
+ *          adjoint's zero check (much of a first backward cycle is zero), made here.
  *
  * g (and keep, gw, gb) may be null. Layer n's data starts n times its stride after the
  * first layer's (strides in elements, any sign): a batch of layers is a strided view of a
  * stacked parameter tensor. Each layer's own rows are contiguous. A step's result may be
  * written over its input (out == u): each row is computed in full before it is stored. The
- * `_one` variants take one layer with contiguous operands; the single adjoint step also
- * checks its cotangent for zeros (see there).
+ * `_one` variants take one layer with contiguous operands.
  *
  * At width 32 and one state a step is about a thousand multiply-adds, less work than one
  * call of torch's CPU dispatcher: these kernels replace four or five torch calls with one.
@@ -53,6 +55,13 @@ static inline void residual_##SUFFIX(T *o, const T *base, const T *inc, const T 
     }                                                                                      \
 }                                                                                          \
                                                                                            \
+/* whether the n values at x are all zero (-0.0 is; NaN is not) */                         \
+static inline int is_zero_##SUFFIX(const T *x, int64_t n) {                                \
+    for (int64_t i = 0; i < n; ++i)                                                        \
+        if (x[i] != 0) return 0;                                                           \
+    return 1;                                                                              \
+}                                                                                          \
+                                                                                           \
 int mgrit_dense_tanh_##SUFFIX(const T *u, int64_t su, const T *w, int64_t sw, const T *b, \
                               int64_t sb, const T *g, int64_t sg, T *out, int64_t so,      \
                               T *keep, int64_t sk, T h, int64_t count, int64_t rows,       \
@@ -85,6 +94,16 @@ int mgrit_dense_tanh_vjp_##SUFFIX(const T *w, int64_t sw, const T *a, int64_t sa
         T *gwn = gw ? gw + n * sgw : NULL, *gbn = gb ? gb + n * sgb : NULL;                \
         if (gwn) memset(gwn, 0, d * d * sizeof(T));                                        \
         if (gbn) memset(gbn, 0, d * sizeof(T));                                            \
+        if (is_zero_##SUFFIX(a + n * sa, rows * d)) {                                      \
+            /* the adjoint is linear in a: zero maps to zero, and y and x are not read */  \
+            if (out) {                                                                     \
+                T *on = out + n * so;                                                      \
+                const T *gn = g ? g + n * sg : NULL;                                       \
+                if (!gn) memset(on, 0, rows * d * sizeof(T));                              \
+                else if (on != gn) memmove(on, gn, rows * d * sizeof(T));                  \
+            }                                                                              \
+            continue;                                                                      \
+        }                                                                                  \
         for (int64_t r = 0; r < rows; ++r) {                                               \
             const T *ar = a + n * sa + r * d, *yr = y + n * sy + r * d;                    \
             for (int64_t i = 0; i < d; ++i) s[i] = ar[i] * (1 - yr[i] * yr[i]);            \
@@ -113,18 +132,8 @@ int mgrit_dense_tanh_one_##SUFFIX(const T *u, const T *w, const T *b, const T *g
     return mgrit_dense_tanh_##SUFFIX(u, 0, w, 0, b, 0, g, 0, out, 0, keep, 0, h, 1, rows, d); \
 }                                                                                          \
                                                                                            \
-/* with the zero check of the adjoint's march: a cotangent of zeros (NaN is not zero) maps \
- * to zero, so out = g whatever y holds                                                    \
- */                                                                                        \
 int mgrit_dense_tanh_vjp_one_##SUFFIX(const T *w, const T *a, const T *y, const T *g,      \
                                       T *out, T h, int64_t rows, int64_t d) {              \
-    int64_t n = rows * d, i = 0;                                                           \
-    while (i < n && a[i] == 0) ++i;                                                        \
-    if (i == n) {                                                                          \
-        if (!g) memset(out, 0, n * sizeof(T));                                             \
-        else if (out != g) memmove(out, g, n * sizeof(T));                                 \
-        return 0;                                                                          \
-    }                                                                                      \
     return mgrit_dense_tanh_vjp_##SUFFIX(w, 0, a, 0, y, 0, g, 0, out, 0, NULL, 0, NULL, 0,  \
                                          NULL, 0, h, 1, rows, d);                          \
 }
