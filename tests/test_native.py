@@ -249,6 +249,9 @@ def test_dense_tanh_step_and_adjoint_equal_autograd(dtype, tol, count, rows, d):
     out, keep = torch.empty_like(u), torch.empty_like(u)
     native.dense_tanh(u, w, b, dt, out, None, keep)
     assert relative([(out, step), (keep, y)]) <= tol
+    lean = [torch.empty_like(u), torch.empty_like(u)]        # the layer kernels' wrapper
+    assert kernels.NativeDense(dtype, d).step_batch(u, w, b, dt, lean[0], None, lean[1])
+    assert torch.equal(lean[0], out) and torch.equal(lean[1], keep)
     native.dense_tanh(u, w, b, dt, out, g)
     assert relative([(out, g.double() + step)]) <= tol
     inplace = u.clone()                                  # out may be the input itself
@@ -315,7 +318,7 @@ def test_dense_tanh_refuses_entries_that_are_not_contiguous():
 
 def _count_native(monkeypatch):
     calls = []
-    for name in ("step", "vjp", "vjp_single"):
+    for name in ("step", "step_batch", "vjp", "vjp_single"):
         original = getattr(kernels.NativeDense, name)
         monkeypatch.setattr(kernels.NativeDense, name,
                             lambda self, *a, _f=original, _n=name, **k:
@@ -329,8 +332,8 @@ def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeyp
     """An inexact solve (two levels, one backward cycle: single steps, batches, the
     adjoint's recorded gradients) of a dense tanh network, float64: output and gradients
     with the native kernels equal those of torch's kernels to rounding; the native kernels
-    ran for forward steps, single adjoint steps and adjoint batches, and only where
-    MGRIT_NATIVE allows them."""
+    ran for single and batched forward steps, single adjoint steps and adjoint batches, and
+    only where MGRIT_NATIVE allows them."""
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     results = {}
@@ -344,7 +347,7 @@ def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeyp
         monkeypatch.undo()
     assert relative(list(zip(results[backend], results["torch"]))) <= 1e-12
     if backend == "auto":
-        assert {"step", "vjp", "vjp_single"} <= set(calls)
+        assert {"step", "step_batch", "vjp", "vjp_single"} <= set(calls)
     else:
         assert calls == []
 
