@@ -438,18 +438,7 @@ class NativeDense:
                    g: Tensor | None = None, keep: Tensor | None = None) -> bool:
         """`step` for a batch of layers (entries of u, w, b, ... along the first dimension,
         each contiguous, any spacing)."""
-        if w.dtype != u.dtype:
-            return False
-        args: list = []
-        for t in (u, w, b, g, out, keep):
-            stride = 0 if t is None else native.entry_stride(t)
-            if stride is None:
-                return False
-            args += (None, 0) if t is None else (t.data_ptr(), stride)
-        d = self.width
-        count = len(u)
-        self._step(*args, dt, count, u.numel() // (count * d) if count else 0, d)
-        return True
+        return w.dtype == u.dtype and self._batch(self._step, u, dt, (u, w, b, g, out, keep))
 
     def vjp(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | None,
             g: Tensor | None = None, x: Tensor | None = None, gw: Tensor | None = None,
@@ -459,17 +448,22 @@ class NativeDense:
         cotangents s^T x and the sum of s's rows, s = a (1 - y^2), not scaled by dt. A
         layer whose a is all zeros (NaN not zero) gets out = g (zero without g) and zero
         cotangents; its y and x are not read."""
-        if w.dtype != a.dtype:
-            return False
+        return w.dtype == a.dtype and self._batch(self._vjp, a, dt, (w, a, y, g, out, x, gw, gb))
+
+    def _batch(self, kernel: Callable[..., int], states: Tensor, dt: float, operands: tuple
+               ) -> bool:
+        """Call a batched kernel with each operand as (pointer, entry stride), None as (None,
+        0), then dt, the layer count, rows per layer and the width; False, having called
+        nothing, where an operand's entries are not contiguous."""
         args: list = []
-        for t in (w, a, y, g, out, x, gw, gb):
+        for t in operands:
             stride = 0 if t is None else native.entry_stride(t)
             if stride is None:
                 return False
             args += (None, 0) if t is None else (t.data_ptr(), stride)
         d = self.width
-        count = len(a)
-        self._vjp(*args, dt, count, a.numel() // (count * d) if count else 0, d)
+        count = len(states)
+        kernel(*args, dt, count, states.numel() // (count * d) if count else 0, d)
         return True
 
     def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
