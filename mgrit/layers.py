@@ -396,9 +396,10 @@ class NetworkPropagator:
             flat = states.reshape(len(states), -1, states.shape[-1])
             return dense_step(flat, tensors["0.weight"], tensors["0.bias"],
                               steps.dt).reshape(states.shape)
-        if (self._keeping and steps.level == 0) or self._native_batch(states) is not None:
+        dense = self._native_batch(states)
+        if (self._keeping and steps.level == 0) or dense is not None:
             out = torch.empty_like(states)
-            self.step_batch_into(states, steps, out, None)
+            self._chain_batch_into(states, steps, tensors, dense, out, None)
             return out
         return torch.add(states, self.stack.f_batch(tensors, states), alpha=steps.dt)
 
@@ -408,19 +409,23 @@ class NetworkPropagator:
             return None
         return self.stack.native_dense(states, _per_entry(states))
 
-
     def step_batch_into(self, states: Tensor, steps: StepBatch, out: Tensor,
                         g: Tensor | None) -> None:
         """out = g + Phi(states) for a batch (g None: zero), written layer by layer from a
         chain's outputs: no stacked temporary and no copy."""
-        chain = self.stack.chain
-        if chain is None or _use_cuda_kernels(self.stack, states):
+        if self.stack.chain is None or _use_cuda_kernels(self.stack, states):
             write_result(out, self._step_batch(states, steps), g)
             return
         m = steps.level_stride
         tensors = self.stack.rows(steps.start * m, steps.stride * m, steps.count)
+        self._chain_batch_into(states, steps, tensors, self._native_batch(states), out, g)
+
+    def _chain_batch_into(self, states: Tensor, steps: StepBatch, tensors: dict[str, Tensor],
+                          dense: NativeDense | None, out: Tensor, g: Tensor | None) -> None:
+        """`step_batch_into` for a chain, with the batch's parameter rows and native
+        kernels (or None) at hand."""
+        chain = self.stack.chain
         keeping = self._keeping and steps.level == 0
-        dense = self._native_batch(states)
         if dense is not None:
             y = torch.empty_like(states) if keeping else None
             if dense.step_batch(states, tensors["0.weight"], tensors["0.bias"], steps.dt, out,
