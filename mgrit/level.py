@@ -47,10 +47,8 @@ class Level:
         self._sends: dict[int, Request] = {}
         self._recvs: dict[int, Request] = {}
         self.version = 0   # bumped by every change of u, so results computed from it can be reused
-        # one view per row of u and g, made once (u and g are never reallocated): the
-        # sequential march takes one step at a time and would otherwise make them per step
-        self.u_rows = list(self.u)
-        self.g_rows = list(self.g) if fas else None
+        self._rows: tuple[list[Tensor], list[Tensor] | None] | None = None
+        self._last_row = self.u[-1] if self.count else None    # what `changed` sends on
         self._steps: dict[int, Step] = {}
         # which phase moves the boundary points, fixed by the grid: asked at every phase
         self._ghost_after_c = self.grid.is_c_point(self.first - 1)
@@ -60,6 +58,16 @@ class Level:
     @property
     def empty(self) -> bool:
         return self.count == 0
+
+    def row_views(self) -> tuple[list[Tensor], list[Tensor] | None]:
+        """One view per row of u and of g (None on level 0), made at the first march of
+        this level and kept (u and g are never reallocated): a march takes one step at a
+        time and would otherwise make two views per step. Not made up front: a level that
+        is never marched (the fine levels of a serial solve) would pay for a view per point
+        at every Solver construction."""
+        if self._rows is None:
+            self._rows = (list(self.u), None if self.g is None else list(self.g))
+        return self._rows
 
     def row(self, j: int) -> int:
         return j - self.offset
@@ -116,7 +124,7 @@ class Level:
         self.touched()
         nxt = self.local.next_rank
         if nxt is not None and self._last_after_c == c_phase:
-            self._send(_U_TAG, self.u_rows[-1], nxt)
+            self._send(_U_TAG, self._last_row, nxt)
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:

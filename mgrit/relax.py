@@ -37,7 +37,7 @@ def _sweep(executor: Executor | None, level: Level, name: str, prop: Propagator,
 
 def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
     """Sequentially set u_j = g_j + Phi(u_{j-1}) for j = j_from..j_to."""
-    u, g = level.u_rows, level.g_rows
+    u, g = level.row_views()
     into = getattr(prop, "step_into", None)
     for j in range(j_from, j_to + 1):
         row = j - level.offset
