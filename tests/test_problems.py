@@ -30,6 +30,13 @@ def test_dahlquist_steps_are_the_euler_factors(method, factor, lam):
     u = torch.tensor([1.0, -2.0], dtype=dtype)
     out = prop.step(u, mgrit.Step(0, 0, 0, 0.0, 0.1))
     assert torch.allclose(out, u * factor(0.1 * lam), rtol=1e-15, atol=0)
+    # the march's in-place step: out = g + Phi(u), and Phi(u) alone without g
+    g = torch.tensor([0.25, 3.0], dtype=dtype)
+    into = torch.full_like(u, float("nan"))
+    prop.step_into(u, mgrit.Step(0, 0, 0, 0.0, 0.1), into, g)
+    assert torch.allclose(into, g + u * factor(0.1 * lam), rtol=1e-15, atol=0)
+    prop.step_into(u, mgrit.Step(0, 0, 0, 0.0, 0.1), into, None)
+    assert torch.allclose(into, out, rtol=1e-15, atol=0)
 
 
 def test_dahlquist_rejects_unknown_method():

@@ -50,3 +50,16 @@ class Dahlquist:
 
     def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         return self._apply(states, steps.dt)
+
+    def step_into(self, u: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
+        """out = g + Phi(u) (g None: Phi(u)) in one call for a real amplification factor:
+        the sequential march of the coarsest level takes one step at a time, where each
+        extra call (a product, a sum, a copy) costs more than the arithmetic."""
+        factor = self.amplification(s.dt)
+        if isinstance(factor, complex):
+            value = self._apply(u, s.dt)
+            out.copy_(value if g is None else g + value)
+        elif g is None:
+            torch.mul(u, factor, out=out)
+        else:
+            torch.add(g, u, alpha=factor, out=out)
