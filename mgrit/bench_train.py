@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,6 +70,14 @@ def _w2(batch: int = 1) -> Workload:
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {"w1": _w1, "w2": _w2,
                                                 "w2b": lambda: _w2(batch=32)}
+
+
+def sequential_variant(work: Workload) -> Workload:
+    """The workload stepped sequentially (levels=1, one pass each way) through the same
+    LayerParallel code and kernels: what mgrit's kernels give without the algorithm."""
+    sequential = Config(levels=1, tol=0.0, max_iter=1)
+    return replace(work, forward=replace(sequential, execution=work.forward.execution),
+                   backward=replace(sequential, execution=work.backward.execution))
 
 
 def build(work: Workload, seed: int = 0, comm: Any = None) -> tuple[nn.Module, nn.Module]:
@@ -169,6 +177,7 @@ def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict
 
 
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
+SEQUENTIAL = "sequential stepping, mgrit kernels"
 
 
 def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
@@ -176,7 +185,8 @@ def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
     """The layer-parallel model's times; for a network whose layers have native kernels
     (convolutions, dense tanh steps) also with torch's kernels only (MGRIT_NATIVE=torch),
     which is how much of its speed those kernels give."""
-    out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm)}
+    out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
+           SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
     step = work.network().step()
     if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
         with torch_kernels():

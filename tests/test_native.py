@@ -190,8 +190,10 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
 
 
 @pytest.mark.parametrize("name,methods", [
-    ("w1", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"]),
-    ("w2", ["layer-parallel mgrit", "layer-parallel mgrit, torch kernels"])])
+    ("w1", ["layer-parallel mgrit", "sequential stepping, mgrit kernels",
+            "layer-parallel mgrit, torch kernels"]),
+    ("w2", ["layer-parallel mgrit", "sequential stepping, mgrit kernels",
+            "layer-parallel mgrit, torch kernels"])])
 def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(name, methods,
                                                                               monkeypatch):
     from mgrit import bench_train
@@ -199,11 +201,16 @@ def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(na
     seen = []
     monkeypatch.setattr(bench_train, "layer_parallel_times",
                         lambda work, repeats, comm=None: seen.append(
-                            (kernels.native_backend(), os.environ.get("MGRIT_NATIVE"))) or {})
+                            (kernels.native_backend(), os.environ.get("MGRIT_NATIVE"),
+                             work.forward.levels, work.backward.levels)) or {})
     monkeypatch.setenv("MGRIT_NATIVE", "auto")
-    out = bench_train.layer_parallel_methods(bench_train.WORKLOADS[name](), 1)
+    work = bench_train.WORKLOADS[name]()
+    out = bench_train.layer_parallel_methods(work, 1)
     assert list(out) == methods
-    assert seen == [("auto", "auto"), ("torch", "torch")][:len(methods)]
+    levels = (work.forward.levels, work.backward.levels)
+    # the sequential row steps through the same code with one level each way
+    assert seen == [("auto", "auto", *levels), ("auto", "auto", 1, 1),
+                    ("torch", "torch", *levels)]
     assert os.environ["MGRIT_NATIVE"] == "auto"
 
 
