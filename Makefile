@@ -1,4 +1,5 @@
 # make test: set up .venv (if missing) with the project and its dev extra, run every test.
+# make bench-check: speed ratios of the hot paths against recorded floors (not a test).
 # make demo: same set-up, then the main job: layer-parallel training on digits over 2 MPI
 # ranks next to serial training, with figures in out/demo.
 # Elsewhere (e.g. a CUDA machine) override the torch requirement: make test TORCH_SPEC="torch>=2.3"
@@ -9,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mgrit-installed
 
-.PHONY: test test-fast demo bench install clean
+.PHONY: test test-fast demo bench bench-check install clean
 
 install: $(STAMP)
 
@@ -30,6 +31,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/mgrit bench w0
+
+# the speed ratios that guard the hot paths against the floors in benchmarks/floors.json
+# (under a minute, one process); run before every commit that touches a hot path
+bench-check: $(STAMP)
+	$(PY) -m benchmarks.check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
