@@ -52,14 +52,16 @@ class Dahlquist:
         return self._apply(states, steps.dt)
 
     def step_into(self, u: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
-        """out = g + Phi(u) (g None: Phi(u)) in one call for a real amplification factor:
-        the sequential march of the coarsest level takes one step at a time, where each
-        extra call (a product, a sum, a copy) costs more than the arithmetic."""
+        """out = g + Phi(u) (g None: Phi(u)) without a temporary and a copy: the sequential
+        march of the coarsest level takes one step at a time, where each call costs more
+        than the arithmetic. The product is rounded before the sum, as `step` and the
+        executors' `g + step(u)` round it, so every path gives the same bits (a fused
+        multiply-add would not, and distributed runs would drift from serial ones)."""
         factor = self.amplification(s.dt)
         if isinstance(factor, complex):
             value = self._apply(u, s.dt)
             out.copy_(value if g is None else g + value)
-        elif g is None:
-            torch.mul(u, factor, out=out)
-        else:
-            torch.add(g, u, alpha=factor, out=out)
+            return
+        torch.mul(u, factor, out=out)
+        if g is not None:
+            out.add_(g)
