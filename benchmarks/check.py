@@ -61,8 +61,9 @@ def speedup(pair: Pair, rounds: int) -> dict[str, float]:
 
 
 def w0_pairs() -> list[Pair]:
-    from mgrit.bench import sequential, w0_case
-    from mgrit.cycle import solve
+    from mgrit import solve
+
+    from .bench import sequential, w0_case
 
     case = w0_case()
     return [Pair("w0 solve vs sequential", lambda: sequential(case),
@@ -71,7 +72,7 @@ def w0_pairs() -> list[Pair]:
 
 
 def w2_pairs() -> list[Pair]:
-    from mgrit.bench_train import WORKLOADS, _forward_fn, _step_fn, build, sequential_variant
+    from .training import WORKLOADS, _forward_fn, _step_fn, build, sequential_variant
 
     work = WORKLOADS["w2"]()
     x, y = work.inputs(torch.Generator().manual_seed(1))

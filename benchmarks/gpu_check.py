@@ -37,8 +37,9 @@ from typing import Any, Callable
 import torch
 
 import mgrit
-from mgrit import bench_train
-from mgrit import cuda as kernels
+from mgrit.kernels import cuda as kernels
+
+from benchmarks import training as bench_train
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 # (B, S, d): the timing shapes, partial sample tiles, widths off the warp size, the

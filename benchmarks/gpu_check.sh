@@ -12,7 +12,8 @@
 #      `pip install "torch>=2.3"` (on Linux pip's default torch is the CUDA build) and
 #      `pip install -e .`.
 #   2. nvidia-smi and nvcc versions into $OUT/environment.txt.
-#   3. cuda/build.py --arch native (nvcc's default arch if that fails): $OUT/build.log.
+#   3. python -m mgrit.kernels.build cuda (-arch=native, nvcc's default arch if that
+#      fails), into the kernels' cache: $OUT/build.log.
 #   4. benchmarks/gpu_check.py: kernels against their pure-torch twins (asserted), kernel
 #      timings, the batched and stream executors against the loop executor (asserted) and
 #      their timings, serial PyTorch against layer-parallel MGRIT on W2 and W2b; writes
@@ -51,13 +52,8 @@ fi
     command -v nvcc >/dev/null && nvcc --version || echo "nvcc on PATH: not found (NVCC=${NVCC:-})"
 } >"$OUT/environment.txt" 2>&1
 
-"$PY" cuda/build.py --arch native 2>&1 | tee "$OUT/build.log"
+"$PY" -m mgrit.kernels.build cuda 2>&1 | tee "$OUT/build.log"
 build_status=${PIPESTATUS[0]}
-if [ "$build_status" -ne 0 ]; then
-    echo "build with --arch native failed; trying nvcc's default arch" | tee -a "$OUT/build.log"
-    "$PY" cuda/build.py 2>&1 | tee -a "$OUT/build.log"
-    build_status=${PIPESTATUS[0]}
-fi
 
 timeout "${CHECK_TIMEOUT:-420}" "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 \
     | tee "$OUT/check.log"

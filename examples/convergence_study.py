@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mgrit.compare import solver_study
+from mgrit.app.compare import solver_study
 
 torch.set_num_threads(1)
 solver_study(Path(sys.argv[1] if len(sys.argv) > 1 else "out/study"), cycles=10)

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mgrit
-from mgrit.data import batches, digits
+from mgrit.app.data import batches, digits
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=10)

@@ -1,10 +1,10 @@
 """Layer-parallel training of residual networks with multigrid reduction in time."""
 
 from .comm import split_world
-from .config import Config
-from .cycle import DivergenceError, Result, Solver, solve
+from .core.config import Config
+from .core.cycle import DivergenceError, Result, Solver, solve
+from .core.propagator import Propagator, Step, StepBatch, step_sequentially
 from .nn import LayerParallel, ResidualStep, serial_resnet
-from .propagator import Propagator, Step, StepBatch, step_sequentially
 
 __all__ = [
     "Config",

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mgrit.bench import W0_REFERENCE
+from benchmarks.bench import W0_REFERENCE
 
 
 def _mgrit(*args, check=True):

@@ -1,8 +1,8 @@
-"""The CUDA kernels of mgrit.cuda: the build, the pure-torch twins against autograd, and
-(on a GPU) each kernel against its twin."""
+"""The CUDA kernels of mgrit.kernels.cuda: the build, the pure-torch twins against autograd,
+and (on a GPU) each kernel against its twin."""
 
 import ctypes
-import importlib.util
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,26 +12,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mgrit import cuda
+from mgrit.kernels import build, cuda
 
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "cuda" / "build.py"
 ENTRY_POINTS = ["mgrit_dense_step_f32", "mgrit_dense_step_f64", "mgrit_dense_step_vjp_f32",
                 "mgrit_dense_step_vjp_f64", "mgrit_dense_max_width", "mgrit_cuda_error_string"]
 
 
-def _builder():
-    spec = importlib.util.spec_from_file_location("mgrit_cuda_build", BUILD_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _nvcc_missing() -> str | None:
     try:
-        _builder().find_nvcc()
+        build.nvcc()
     except Exception as err:
         return str(err)
     return None
+
+
+def _build_command(cache: Path, **env: str) -> subprocess.CompletedProcess:
+    """`python -m mgrit.kernels.build cuda` with its cache in `cache`."""
+    return subprocess.run([sys.executable, "-m", "mgrit.kernels.build", "cuda"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MGRIT_CACHE_DIR": str(cache), **env})
 
 
 def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
@@ -56,14 +55,13 @@ def _relative_error(actual, expected) -> float:
 # (a) the build -------------------------------------------------------------------------
 
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
-def test_build_script_compiles_the_library(tmp_path):
-    proc = subprocess.run([sys.executable, str(BUILD_SCRIPT), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+def test_build_command_compiles_the_library_into_the_cache(tmp_path):
+    proc = _build_command(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "-O3 -shared -Xcompiler -fPIC" in proc.stdout
-    lib_path = tmp_path / "libmgrit_cuda.so"
-    assert lib_path.is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["libmgrit_cuda.so"]
+    assert "-O3 -arch=native -shared -Xcompiler -fPIC" in proc.stdout
+    lib_path = Path(proc.stdout.splitlines()[-1].removeprefix("built "))
+    assert lib_path.parent == tmp_path and lib_path.name.startswith("libmgrit_cuda_")
+    assert [p.name for p in tmp_path.iterdir()] == [lib_path.name]
     lib = ctypes.CDLL(str(lib_path))
     for name in ENTRY_POINTS:
         assert hasattr(lib, name), name
@@ -73,9 +71,10 @@ def test_build_script_compiles_the_library(tmp_path):
 
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
-def test_kernel_without_device_returns_an_error_code(tmp_path):
+def test_kernel_without_device_returns_an_error_code(tmp_path, monkeypatch):
     """Without a GPU a launch fails with a CUDA error code; the process is not aborted."""
-    lib = _builder().build(tmp_path)
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path))
+    lib = build.built(build.CUDA)
     script = (
         "import ctypes, sys\n"
         f"lib = ctypes.CDLL({str(lib)!r})\n"
@@ -92,29 +91,34 @@ def test_kernel_without_device_returns_an_error_code(tmp_path):
     assert int(code) != 0 and reason.strip()
 
 
-def test_build_script_without_nvcc_fails_clearly(tmp_path):
-    env = dict(os.environ, NVCC=str(tmp_path / "no-such-nvcc"))
-    proc = subprocess.run([sys.executable, str(BUILD_SCRIPT), "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=60)
+def test_build_command_without_nvcc_fails_clearly(tmp_path):
+    proc = _build_command(tmp_path / "cache", NVCC=str(tmp_path / "no-such-nvcc"))
     assert proc.returncode == 1
     assert "no-such-nvcc" in proc.stderr and "not an executable" in proc.stderr
-    assert not (tmp_path / "libmgrit_cuda.so").exists()
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
-def test_library_is_built_on_first_use_and_rebuilt_when_stale(tmp_path, monkeypatch):
-    path = tmp_path / "libmgrit_cuda.so"
-    monkeypatch.setattr(cuda, "LIBRARY_PATH", path)
+def test_library_is_built_on_first_use_and_again_for_changed_sources(tmp_path, monkeypatch):
+    """Keyed as the C kernels are: the cache holds one library per source text, so an edited
+    source is compiled anew and the old library is never loaded for it."""
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
-    assert cuda.library().mgrit_dense_max_width(8) == 3072 and path.is_file()
-    os.utime(path, (0, 0))  # older than the source
+    assert cuda.library().mgrit_dense_max_width(8) == 3072
+    first = sorted((tmp_path / "cache").iterdir())
+    assert len(first) == 1 and first[0].name.startswith("libmgrit_cuda_")
+    edited = tmp_path / "residual_dense.cu"
+    edited.write_text(build.CUDA.sources[0].read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, "CUDA", dataclasses.replace(build.CUDA, sources=(edited,)))
+    monkeypatch.setattr(cuda, "CUDA", build.CUDA)
     monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
-    cuda.library()
-    assert path.stat().st_mtime > 0
+    assert cuda.library().mgrit_dense_max_width(8) == 3072
+    second = sorted((tmp_path / "cache").iterdir())
+    assert len(second) == 2 and set(first) < set(second)
 
 
 def test_library_failure_is_reported_and_remembered(tmp_path, monkeypatch):
-    monkeypatch.setattr(cuda, "LIBRARY_PATH", tmp_path / "libmgrit_cuda.so")
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cuda, "_library", cuda._library.fresh())
     monkeypatch.setenv("NVCC", str(tmp_path / "no-such-nvcc"))
     with pytest.raises(RuntimeError, match="cannot be loaded: .*no-such-nvcc"):
@@ -217,11 +221,8 @@ def test_too_wide_layers_are_refused():
 # (d) the GPU check's executor section, dry run on this machine --------------------------
 
 def _gpu_check():
-    path = BUILD_SCRIPT.parent.parent / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("mgrit_gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import gpu_check
+    return gpu_check
 
 
 def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mgrit.settings import describe_keys
+from mgrit.app.settings import describe_keys
 
 DOCS = Path(__file__).parent.parent / "docs"
 

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 import mgrit
-from mgrit import execute
-from mgrit.execute import SweepGraphs
+from mgrit.execute import SweepGraphs, graphs
 
 from nets import build, data
 
@@ -112,15 +111,15 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
     monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
     log = []
     keeping = []
-    original = execute.SweepGraphs.run
+    original = SweepGraphs.run
 
     def run(self, key, like, prop, sweep):
         keeping.append((type(prop).__name__, getattr(prop, "_keeping", False)))
         if keeping[-1][1]:
             assert prop.graph_key() is None
         return original(self, key, like, prop, sweep)
-    monkeypatch.setattr(execute.SweepGraphs, "run", run)
-    monkeypatch.setattr(execute, "CudaCapture", lambda: _Capture(log))
+    monkeypatch.setattr(SweepGraphs, "run", run)
+    monkeypatch.setattr(graphs, "CudaCapture", lambda: _Capture(log))
     model, with_graphs = _train(True)
     _, without = _train(False)
     assert all(torch.equal(a, b) for a, b in zip(with_graphs, without))
@@ -139,7 +138,7 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
 
 def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
-    monkeypatch.setattr(execute, "CudaCapture", lambda: _Capture([]))
+    monkeypatch.setattr(graphs, "CudaCapture", lambda: _Capture([]))
     model, _ = _train(True, steps=2)
     solver = next(iter(model._solvers.values()))
     before = solver.executor.graphs.captured

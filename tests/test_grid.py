@@ -2,7 +2,7 @@
 
 import pytest
 
-from mgrit.grid import (alignment, build_hierarchy, level0_blocks, local_levels, owned_range,
+from mgrit.core.grid import (alignment, build_hierarchy, level0_blocks, local_levels, owned_range,
                         split_points)
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import mgrit
-from mgrit import nn as nn_module
+from mgrit.nn import layer_parallel as nn_module
 
 from nets import build, data, owned_pairs, relative
 
@@ -220,8 +220,8 @@ def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monke
     adjoint's VJPs take them instead of evaluating f again: fewer evaluations, the same
     gradients (to rounding: a coarse step may take values a batched kernel computed where
     it would compute them singly), and nothing kept once the backward pass is done."""
-    from mgrit import kernels
-    from mgrit.layers import NetworkPropagator
+    from mgrit.kernels import chain as kernels
+    from mgrit.nn.propagators import NetworkPropagator
 
     fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
                        min_coarse=1)
@@ -356,8 +356,8 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     computed at the step's first use and reused at the next (F-relaxation before and after
     the coarse correction, C-relaxation, the residual): fewer evaluations, the same
     gradients to rounding."""
-    from mgrit import kernels
-    from mgrit.layers import AdjointPropagator, NetworkPropagator
+    from mgrit.kernels import chain as kernels
+    from mgrit.nn.propagators import AdjointPropagator, NetworkPropagator
 
     monkeypatch.setattr(NetworkPropagator, "fine_sweep", lambda self, active: None)
     fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
@@ -397,8 +397,8 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
     """A batch of adjoint states of which one is non-zero (the front of a first backward
     cycle) gives that entry its VJP through the single-step path, zeros elsewhere: the same
     numbers as autograd on the layer."""
-    from mgrit.layers import AdjointPropagator
-    from mgrit.propagator import StepBatch
+    from mgrit.core.propagator import StepBatch
+    from mgrit.nn.propagators import AdjointPropagator
 
     model, _ = build(kind, 16)
     x, _ = data(kind, 4)

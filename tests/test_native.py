@@ -1,5 +1,6 @@
 """The native (C) convolution kernels against torch, and their use by the layer kernels."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit import kernels, layers, native
-from mgrit.trace import run_ranks
+from mgrit.comm.virtual import run_ranks
+from mgrit.kernels import build as kernel_build
+from mgrit.kernels import chain, choice, dense, native
+from mgrit.nn import propagators
 
 from nets import build, data, owned_pairs, relative
 
@@ -87,8 +90,8 @@ def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, mon
     the one that ran."""
     if forced and not native.available():
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
-    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: forced)
+    monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: forced)
     calls = []
     for name in ("conv2d", "conv2d_weight"):
         original = getattr(native, name)
@@ -107,32 +110,32 @@ def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, mon
 
 def test_operands_that_autograd_tracks_go_to_torch(monkeypatch):
     x, w, b, _ = _operands(SHAPES[1], torch.float64)
-    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
-    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: True)
+    monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: True)
     w.requires_grad_()
-    y = kernels._conv2d(x, w, b, (2, 2))
+    y = chain._conv2d(x, w, b, (2, 2))
     y.sum().backward()
     ref = torch.nn.grad.conv2d_weight(x, w.shape, torch.ones_like(y), padding=2)
     assert torch.allclose(w.grad, ref, rtol=1e-12, atol=1e-12)
     with torch.no_grad():         # the same operands without a graph take the native kernel
-        assert kernels._native_chosen("conv2d", (None, None), (x, w, b))
+        assert choice._native_chosen("conv2d", (None, None), (x, w, b))
 
 
 def test_the_choice_is_made_again_for_another_thread_count(monkeypatch):
     """torch's convolutions use every thread they may, the native kernel one: a choice timed
     at one thread count does not hold at another."""
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
-    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
     monkeypatch.setattr(native, "available", lambda: True)
     timed = []
-    monkeypatch.setattr(kernels, "_native_faster",
+    monkeypatch.setattr(choice, "_native_faster",
                         lambda fns, operands: timed.append(torch.get_num_threads()) or
                         torch.get_num_threads() == 1)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 1, 2):
             torch.set_num_threads(n)
-            assert kernels._native_chosen("conv2d", (None, None), (x, w, b)) == (n == 1)
+            assert choice._native_chosen("conv2d", (None, None), (x, w, b)) == (n == 1)
     finally:
         torch.set_num_threads(threads)
     assert timed == [1, 2]           # once per thread count
@@ -140,19 +143,19 @@ def test_the_choice_is_made_again_for_another_thread_count(monkeypatch):
 
 def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
-    monkeypatch.setattr(kernels, "_NATIVE_CHOICE", {})
-    monkeypatch.setattr(kernels, "_native_faster", lambda fns, operands: True)
+    monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
+    monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: True)
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
-    assert kernels.native_backend() == "torch"
-    assert torch.equal(kernels._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
-    assert kernels._NATIVE_CHOICE == {}          # nothing was timed
+    assert choice.native_backend() == "torch"
+    assert torch.equal(chain._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
+    assert choice._NATIVE_CHOICE == {}          # nothing was timed
     monkeypatch.setenv("MGRIT_NATIVE", "fast")
     with pytest.raises(ValueError, match="MGRIT_NATIVE='fast': expected one of auto, torch"):
-        kernels.native_backend()
+        choice.native_backend()
     monkeypatch.delenv("MGRIT_NATIVE")
     torch.use_deterministic_algorithms(True)
     try:
-        assert kernels.native_backend() == "torch"
+        assert choice.native_backend() == "torch"
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -164,11 +167,11 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_without_a_compiler_the_layer_kernels_use_torch(tmp_path):
     code = ("import torch, torch.nn.functional as F\n"
-            "from mgrit import kernels, native\n"
+            "from mgrit.kernels import chain, choice, native\n"
             "x, w = torch.randn(50, 3, 28, 28), torch.randn(3, 3, 3, 3)\n"
             "assert not native.available()\n"
-            "assert torch.equal(kernels._conv2d(x, w, None, (1, 1)), F.conv2d(x, w, padding=1))\n"
-            "assert not any(kernels._NATIVE_CHOICE.values())\n"
+            "assert torch.equal(chain._conv2d(x, w, None, (1, 1)), F.conv2d(x, w, padding=1))\n"
+            "assert not any(choice._NATIVE_CHOICE.values())\n"
             "try:\n    native.conv2d(x, w)\nexcept RuntimeError as err:\n    print(err)\n")
     proc = _child(code, CC=str(tmp_path / "no-such-cc"), MGRIT_CACHE_DIR=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -177,7 +180,8 @@ def test_without_a_compiler_the_layer_kernels_use_torch(tmp_path):
 
 @needs_native
 def test_the_library_is_built_once_into_the_cache(tmp_path):
-    code = "from mgrit import native\nassert native.available()\nprint(native.library()._name)"
+    code = ("from mgrit.kernels import native\nassert native.available()\n"
+            "print(native.library()._name)")
     first = _child(code, MGRIT_CACHE_DIR=str(tmp_path))
     assert first.returncode == 0, first.stderr
     path = first.stdout.strip()
@@ -196,12 +200,12 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
             "layer-parallel mgrit, torch kernels"])])
 def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(name, methods,
                                                                               monkeypatch):
-    from mgrit import bench_train
+    from benchmarks import training as bench_train
 
     seen = []
     monkeypatch.setattr(bench_train, "layer_parallel_times",
                         lambda work, repeats, comm=None: seen.append(
-                            (kernels.native_backend(), os.environ.get("MGRIT_NATIVE"),
+                            (choice.native_backend(), os.environ.get("MGRIT_NATIVE"),
                              work.forward.levels, work.backward.levels)) or {})
     monkeypatch.setenv("MGRIT_NATIVE", "auto")
     work = bench_train.WORKLOADS[name]()
@@ -219,12 +223,13 @@ def test_a_cpu_with_other_features_gets_its_own_build(tmp_path, monkeypatch):
     """-march=native code built on one CPU can fault on another of the same model name with
     other vector units: the cache key holds the CPU's feature flags."""
     if os.path.exists("/proc/cpuinfo"):
-        assert "flags" in native._cpu() or "Features" in native._cpu()
+        assert "flags" in kernel_build.cpu() or "Features" in kernel_build.cpu()
     monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path))
     paths = []
     for flags in ("flags : sse2 avx2", "flags : sse2 avx2 avx512f"):
-        monkeypatch.setattr(native, "_cpu", lambda f=flags: "model name : AMD EPYC\n" + f)
-        paths.append(native._build(native._compiler(), ["-O3"]))
+        recipe = dataclasses.replace(kernel_build.C,
+                                     hardware=lambda f=flags: "model name : AMD EPYC\n" + f)
+        paths.append(kernel_build.build(recipe, ("-O3",)))
     assert paths[0] != paths[1] and all(p.exists() for p in paths)
 
 
@@ -257,7 +262,7 @@ def test_dense_tanh_step_and_adjoint_equal_autograd(dtype, tol, count, rows, d):
     native.dense_tanh(u, w, b, dt, out, None, keep)
     assert relative([(out, step), (keep, y)]) <= tol
     lean = [torch.empty_like(u), torch.empty_like(u)]        # the layer kernels' wrapper
-    assert kernels.NativeDense(dtype, d).step_batch(u, w, b, dt, lean[0], None, lean[1])
+    assert dense.NativeDense(dtype, d).step_batch(u, w, b, dt, lean[0], None, lean[1])
     assert torch.equal(lean[0], out) and torch.equal(lean[1], keep)
     native.dense_tanh(u, w, b, dt, out, g)
     assert relative([(out, g.double() + step)]) <= tol
@@ -326,8 +331,8 @@ def test_dense_tanh_refuses_entries_that_are_not_contiguous():
 def _count_native(monkeypatch):
     calls = []
     for name in ("step", "step_batch", "vjp", "vjp_single"):
-        original = getattr(kernels.NativeDense, name)
-        monkeypatch.setattr(kernels.NativeDense, name,
+        original = getattr(dense.NativeDense, name)
+        monkeypatch.setattr(dense.NativeDense, name,
                             lambda self, *a, _f=original, _n=name, **k:
                             calls.append(_n) or _f(self, *a, **k))
     return calls
@@ -366,20 +371,20 @@ def test_single_adjoint_step_maps_a_zero_cotangent_to_g_without_reading_y(dtype)
     zeros (also -0.0) gives out = g, or zero without g, and the kept tanh y is not read
     (NaN there would show); a NaN in the cotangent is not zero."""
     w, _, _, a, g = _dense_operands(1, 3, 8, dtype)
-    dense = kernels.NativeDense(dtype, 8)
+    kernels = dense.NativeDense(dtype, 8)
     nan = torch.full_like(a[0], float("nan"))
     zero = torch.zeros_like(a[0])
     zero[1, 2] = -0.0
     out = torch.full_like(a[0], 7.0)
-    assert dense.vjp_single(w[0], zero, nan, 0.3, out, g[0])
+    assert kernels.vjp_single(w[0], zero, nan, 0.3, out, g[0])
     assert torch.equal(out, g[0])
-    assert dense.vjp_single(w[0], zero, nan, 0.3, out)
+    assert kernels.vjp_single(w[0], zero, nan, 0.3, out)
     assert torch.equal(out, torch.zeros_like(out))
     inplace = g[0].clone()                              # out may be g itself
-    assert dense.vjp_single(w[0], zero, nan, 0.3, inplace, inplace)
+    assert kernels.vjp_single(w[0], zero, nan, 0.3, inplace, inplace)
     assert torch.equal(inplace, g[0])
     zero[2, 5] = float("nan")
-    assert dense.vjp_single(w[0], zero, a[0], 0.3, out, g[0])
+    assert kernels.vjp_single(w[0], zero, a[0], 0.3, out, g[0])
     assert out[2].isnan().any() and not out[:2].isnan().any()
 
 
@@ -415,8 +420,8 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     recorded = []
-    original = layers.AdjointPropagator._record_single
-    monkeypatch.setattr(layers.AdjointPropagator, "_record_single",
+    original = propagators.AdjointPropagator._record_single
+    monkeypatch.setattr(propagators.AdjointPropagator, "_record_single",
                         lambda self, *a: recorded.append(original(self, *a)) or recorded[-1])
 
     def program(comm):
@@ -438,7 +443,7 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
 def test_states_wider_than_the_native_limit_stay_with_torch(monkeypatch):
     calls = _count_native(monkeypatch)
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
-    rows = kernels.DENSE_NATIVE_MAX_VALUES // 8 + 1          # width 8
+    rows = dense.DENSE_NATIVE_MAX_VALUES // 8 + 1          # width 8
     x, y = data("dense", rows)
     model, _ = build("dense", 9, config, config)
     nn.functional.cross_entropy(model(x), y).backward()

@@ -7,7 +7,7 @@ import torch
 
 import mgrit
 from mgrit.problems import Dahlquist, DenseResNet, Heat1D
-from mgrit.propagator import StepBatch
+from mgrit.core.propagator import StepBatch
 
 from cases import heat_problem
 

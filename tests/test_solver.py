@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import mgrit
-from mgrit.bench import W0_REFERENCE
+from mgrit.core.propagator import StepBatch
 from mgrit.execute import make_executor
 from mgrit.problems import Dahlquist, DenseResNet
-from mgrit.propagator import StepBatch
+
+from benchmarks.bench import W0_REFERENCE
 
 from cases import heat_problem, relative_error, resnet_problem
 

@@ -1,4 +1,5 @@
-"""Traces, their replay and virtual ranks (mgrit.trace); the scaling model (mgrit.scaling)
+"""Traces (mgrit.comm.tracing), their replay (mgrit.app.replay) and virtual ranks
+(mgrit.comm.virtual); the scaling model (benchmarks.scaling)
 against hand-computed critical paths and against times measured on 1 and 2 MPI ranks."""
 
 import contextlib
@@ -11,17 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgrit
-from mgrit.kernels import torch_kernels
-from mgrit.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
-                           network_from, serial_seconds, virtual_checks)
-from mgrit.trace import (Network, ReplayError, Tracer, TracingComm, VirtualFailure,
-                         load_traces, replay, run_ranks, save_traces)
+from mgrit.app.replay import Interconnect, ReplayError, load_traces, replay, save_traces
+from mgrit.comm.tracing import Tracer, TracingComm
+from mgrit.comm.virtual import VirtualFailure, run_ranks
+from mgrit.kernels.choice import torch_kernels
+
+from benchmarks.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
+                                network_from, serial_seconds, virtual_checks)
 
 from cases import resnet_problem
 from nets import build, data, owned_pairs, relative
 
 # Binary fractions, so every expected time below is exact in floating point.
-NET = Network(latency=0.5, bandwidth=64.0, overhead=0.25)
+NET = Interconnect(latency=0.5, bandwidth=64.0, overhead=0.25)
 
 
 # replay on hand-made traces ----------------------------------------------------------------
@@ -52,7 +55,7 @@ def test_a_message_that_arrives_early_costs_the_receiver_nothing():
 def test_compute_scale_and_a_free_network():
     traces = [[["compute", 2.0], ["send", 1, 1000, "c", 0]],
               [["wait", 0, "c", 0], ["compute", 1.0]]]
-    assert replay(traces, Network(0.0, math.inf), compute_scale=0.25).total == 0.75
+    assert replay(traces, Interconnect(0.0, math.inf), compute_scale=0.25).total == 0.75
 
 
 def test_allreduce_ends_log2_p_hops_after_the_last_arrival():
@@ -89,7 +92,7 @@ def test_messages_match_by_channel_and_order_not_by_arrival():
         [["wait", 0, "b", 0], ["compute", 1.0], ["wait", 0, "a", 0], ["wait", 0, "a", 1],
          ["mark", "end"]],
     ]
-    pred = replay(traces, Network(1.0, math.inf))
+    pred = replay(traces, Interconnect(1.0, math.inf))
     assert pred.marks == {"end": 4.0}   # b arrives at 3, then one second of compute
 
 
@@ -111,7 +114,7 @@ def test_traces_that_cannot_complete_are_reported(traces):
 
 def test_network_rejects_impossible_parameters():
     with pytest.raises(ValueError, match="bandwidth > 0"):
-        Network(latency=1e-6, bandwidth=0.0)
+        Interconnect(latency=1e-6, bandwidth=0.0)
 
 
 def test_traces_survive_a_file(tmp_path):
@@ -289,10 +292,10 @@ def test_traced_virtual_solve_replays_with_every_message_matched():
     waits = [e for t in traces for e in t if e[0] == "wait"]
     assert len(sends) == len(waits) > 0
     assert {e[2] for e in sends} == {u0.numel() * 8}
-    free = replay(traces, Network(0.0, math.inf))
+    free = replay(traces, Interconnect(0.0, math.inf))
     assert free.total >= max(free.busy)
     # with no compute, the replay measures the longest chain of messages and collectives
-    hops = replay(traces, Network(1.0, math.inf), compute_scale=0.0)
+    hops = replay(traces, Interconnect(1.0, math.inf), compute_scale=0.0)
     assert hops.total == hops.critical["hops"] >= 3
 
 
@@ -316,7 +319,7 @@ def test_layerwise_model_parallelism_is_serial_plus_two_chains_of_messages():
 def test_virtual_points_run_in_rounds_and_keep_the_fastest(monkeypatch):
     """Every point's fresh processes are spread over rounds (one per point per round), so
     a slow phase of the machine cannot take all of one point's; the fastest counts."""
-    import mgrit.scaling as scaling
+    import benchmarks.scaling as scaling
 
     order, times = [], iter([5.0, 4.0, 3.0, 6.0, 1.0, 2.0])
 
@@ -411,7 +414,7 @@ def test_validation_launches_merge_into_their_fastest_measurement_and_replay():
     assert merged["ping_pong"] == first["ping_pong"]
     assert merged["w2"]["train"]["measured"] == [0.5, 0.4, 0.3]
     assert first["w2"]["train"]["measured"] == [0.5, 0.4]       # the inputs are left alone
-    row, = compare(merged, Network(0.0, 1e9))
+    row, = compare(merged, Interconnect(0.0, 1e9))
     assert row["measured"] == 0.3
     assert row["predicted_from_mpi_traces"] == pytest.approx(0.35)
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from mgrit import data
-from mgrit.settings import SettingsError, load, parse_override
-from mgrit.trace import Network, load_traces, replay, step_spans
+from mgrit.app import data
+from mgrit.app.replay import Interconnect, load_traces, replay, step_spans
+from mgrit.app.settings import SettingsError, load, parse_override
 
 from conftest import mpiexec_path
 
@@ -171,7 +171,7 @@ def test_trace_records_steps_that_replay_near_their_measured_times(tmp_path):
     traces, meta = load_traces(traced / "trace.json")
     assert len(traces) == 2 and meta["ranks"] == 2 and meta["first_step"] == 2
     assert {"compute", "send", "wait", "collective", "mark"} <= {e[0] for t in traces for e in t}
-    pred = replay(traces, Network(latency=1e-6, bandwidth=5e9, overhead=1e-6))
+    pred = replay(traces, Interconnect(latency=1e-6, bandwidth=5e9, overhead=1e-6))
     spans = step_spans(pred)
     assert len(spans) == len(meta["step_seconds"]) == 4 and min(spans) > 0
     assert 0.5 < sum(spans) / sum(meta["step_seconds"]) < 1.5

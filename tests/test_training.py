@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import mgrit
-from mgrit import models
-from mgrit.bench_train import train_digits
-from mgrit.data import batches, digits
+from mgrit.app.data import batches, digits
+
+from benchmarks import workloads as models
+from benchmarks.training import train_digits
 
 
 def test_digits_split_is_fixed_and_stratified():

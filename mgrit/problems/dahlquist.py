@@ -8,7 +8,7 @@ from numbers import Complex
 import torch
 from torch import Tensor
 
-from ..propagator import Step, StepBatch
+from ..core.propagator import Step, StepBatch
 
 METHODS = ("backward_euler", "forward_euler")
 

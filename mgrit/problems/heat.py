@@ -10,7 +10,7 @@ import torch
 from scipy.linalg import get_lapack_funcs
 from torch import Tensor
 
-from ..propagator import Step, StepBatch
+from ..core.propagator import Step, StepBatch
 
 Forcing = Callable[[Tensor, Tensor], Tensor]
 

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..propagator import Step, StepBatch
+from ..core.propagator import Step, StepBatch
 
 
 class DenseResNet:

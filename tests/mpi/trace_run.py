@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]
-from mgrit.scaling import validation_record  # noqa: E402
+from benchmarks.scaling import validation_record  # noqa: E402
 from reporting import report  # noqa: E402
 
 torch.set_num_threads(1)

@@ -1,0 +1,334 @@
+"""Training benchmarks: W1 and W2 step times, W3 accuracy (DESIGN.md section 6).
+
+Serial PyTorch runs in the calling process; the layer-parallel model runs in this process
+for one rank and under `mpiexec -n P` for more. Every figure is a ratio of methods timed
+in the same invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from mgrit.app.data import digits
+from mgrit.app.train import evaluate, train_epoch
+from mgrit.core.config import Config
+from mgrit.kernels.choice import torch_kernels
+from mgrit.nn import LayerParallel, serial_resnet
+from mgrit.nn.stack import is_dense_tanh
+
+from . import workloads as models
+from .baselines import GPipe, LayerwiseModelParallel
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    network: Callable[[], models.Network]
+    forward: Config
+    backward: Config
+    inputs: Callable[[torch.Generator], tuple[Tensor, Tensor]]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    microbatches: int = 1           # of the GPipe baseline
+
+
+def _mgrit_configs(levels: int = 3, coarsening: int = 4) -> tuple[Config, Config]:
+    relax = ("F",) + ("FCF",) * (levels - 2)
+    common = dict(levels=levels, coarsening=coarsening, relax=relax, tol=0.0, min_coarse=1)
+    return Config(max_iter=2, **common), Config(max_iter=1, **common)
+
+
+def _w1() -> Workload:
+    fwd, bwd = _mgrit_configs()
+    return Workload(
+        "w1", "conv ResNet, 3 channels, 28x28, N = 32, batch 50, SGD(0.01, 0.9); MGRIT 3 "
+        "levels, m = 4, F/FCF, 2 forward and 1 backward cycle", models.w1, fwd, bwd,
+        lambda g: (torch.randn(50, 1, 28, 28, generator=g), torch.randint(0, 10, (50,), generator=g)),
+        nn.functional.nll_loss, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+        microbatches=5)
+
+
+def _w2(batch: int = 1) -> Workload:
+    fwd, bwd = _mgrit_configs(levels=4)
+    name = "w2" if batch == 1 else "w2b"
+    return Workload(
+        name, f"dense tanh ResNet, width 32, N = 1024, batch {batch}, SGD(0.01); MGRIT 4 "
+        "levels, m = 4, F/FCF/FCF, 2 forward and 1 backward cycle, batched relaxation",
+        models.w2, fwd, bwd,
+        lambda g: (torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)),
+        nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
+        microbatches=min(batch, 4))
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {"w1": _w1, "w2": _w2,
+                                                "w2b": lambda: _w2(batch=32)}
+
+
+def sequential_variant(work: Workload) -> Workload:
+    """The workload stepped sequentially (levels=1, one pass each way) through the same
+    LayerParallel code and kernels: what mgrit's kernels give without the algorithm."""
+    sequential = Config(levels=1, tol=0.0, max_iter=1)
+    return replace(work, forward=replace(sequential, execution=work.forward.execution),
+                   backward=replace(sequential, execution=work.backward.execution))
+
+
+def build(work: Workload, seed: int = 0, comm: Any = None) -> tuple[nn.Module, nn.Module]:
+    """(layer-parallel model, serial network) with the same initial weights."""
+    torch.manual_seed(seed)
+    net = work.network()
+    model = LayerParallel(net.step, net.num_steps, net.t_final, work.forward, work.backward,
+                          comm=comm, opening=net.opening, closing=net.closing)
+    torch.manual_seed(seed)
+    net = work.network()
+    serial = serial_resnet(net.step, net.num_steps, net.t_final, net.opening, net.closing)
+    return model, serial
+
+
+def _step_fn(model: nn.Module, work: Workload, x: Tensor, y: Tensor,
+             after_forward: Callable[[], None] | None = None) -> Callable[[], None]:
+    """One optimizer step; `after_forward` is called once the output is there."""
+    opt = work.optimizer(model.parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        out = model(x)
+        if after_forward is not None:
+            after_forward()
+        work.loss(out, y).backward()
+        opt.step()
+    return step
+
+
+def _forward_fn(model: nn.Module, x: Tensor) -> Callable[[], None]:
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+    return forward
+
+
+def _median(fn: Callable[[], None], repeats: int, barrier: Callable[[], None] = lambda: None
+            ) -> float:
+    fn()  # warm-up: solver storage, kernels
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gradient_quality(work: Workload) -> dict[str, float]:
+    """Cosine similarity and relative error of the layer-parallel gradient (the workload's
+    cycles) against serial autograd's exact gradient, and the relative error of the
+    layer-parallel forward pass's output against the serial one, at the same weights and
+    batch."""
+    model, serial = build(work)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, ref = model(x), serial(x)
+    output_error = float((out - ref).norm() / ref.norm())
+    work.loss(model(x), y).backward()
+    work.loss(serial(x), y).backward()
+    pairs = _gradient_pairs(model, serial)
+    dot = sum(float((a * b).sum()) for a, b in pairs)
+    na = sum(float(a.pow(2).sum()) for a, _ in pairs)
+    nb = sum(float(b.pow(2).sum()) for _, b in pairs)
+    diff = sum(float((a - b).pow(2).sum()) for a, b in pairs)
+    return {"cosine": dot / (na * nb) ** 0.5, "relative_error": (diff / nb) ** 0.5,
+            "output_relative_error": output_error}
+
+
+def _gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[Tensor, Tensor]]:
+    pairs = []
+    for name in model.layers.names:
+        stacked = model.layers.params[name.replace(".", "__")].grad
+        for n in range(model.num_steps):
+            pairs.append((stacked[n], serial[n + 1].f.get_parameter(name).grad))
+    for mine, ref in ((model.opening, serial[0]), (model.closing, serial[-1])):
+        pairs += [(a.grad, b.grad) for a, b in zip(mine.parameters(), ref.parameters())]
+    return pairs
+
+
+def serial_times(work: Workload, repeats: int) -> dict[str, float]:
+    _, serial = build(work)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    return {"train_step": _median(_step_fn(serial, work, x, y), repeats),
+            "forward": _median(_forward_fn(serial, x), repeats)}
+
+
+def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict[str, Any]:
+    model, _ = build(work, comm=comm)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    barrier = comm.Barrier if comm is not None else (lambda: None)
+    step = _median(_step_fn(model, work, x, y), repeats, barrier)
+    stats = dict(model.stats)
+    forward = _median(_forward_fn(model, x), repeats, barrier)
+    return {"train_step": step, "forward": forward, "stats": stats}
+
+
+TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
+SEQUENTIAL = "sequential stepping, mgrit kernels"
+
+
+def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
+                           ) -> dict[str, dict[str, Any]]:
+    """The layer-parallel model's times; for a network whose layers have native kernels
+    (convolutions, dense tanh steps) also with torch's kernels only (MGRIT_NATIVE=torch),
+    which is how much of its speed those kernels give."""
+    out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
+           SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
+    step = work.network().step()
+    if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
+        with torch_kernels():
+            out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm)
+    return out
+
+
+def baseline_times(work: Workload, repeats: int, comm: Any) -> dict[str, dict[str, float]]:
+    """Layer-wise model parallelism and GPipe over the ranks of `comm`, same network."""
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    _, serial = build(work)
+    layerwise = LayerwiseModelParallel(serial, comm, x, work.loss, work.optimizer)
+    out = {"layer-wise model parallel": {
+        "train_step": _median(lambda: layerwise.train_step(x, y), repeats, comm.Barrier),
+        "forward": _median(lambda: layerwise.forward(x), repeats, comm.Barrier)}}
+    _, serial = build(work)
+    gpipe = GPipe(serial, comm, work.microbatches, work.loss, work.optimizer)
+    out[f"gpipe pipeline ({work.microbatches} micro-batches)"] = {
+        "train_step": _median(lambda: gpipe.train_step(x, y), repeats, comm.Barrier)}
+    return out
+
+
+def worker(name: str, repeats: int, out: Path) -> None:
+    """Under mpiexec: time the layer-parallel model and, on more than one rank, the
+    baselines, all in this one launch; rank 0 writes JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if name == "w3":
+        record = train_digits(comm=comm)
+    else:
+        work = WORKLOADS[name]()
+        record = layer_parallel_methods(work, repeats, comm)
+        if comm.size > 1:
+            record.update(baseline_times(work, repeats, comm))
+    if comm.rank == 0:
+        out.write_text(json.dumps({"ranks": comm.size, **record}))
+
+
+def timing_records(name: str, ranks: list[int], repeats: int,
+                   launch: Callable[[str, int, int], dict]) -> list[dict[str, Any]]:
+    """Serial PyTorch and the layer-parallel model on each rank count, as records."""
+    work = WORKLOADS[name]()
+    serial = serial_times(work, repeats)
+    runs = {p: layer_parallel_methods(work, repeats) if p == 1 else launch(name, p, repeats)
+            for p in ranks}
+    records = []
+    mgrit_name = "layer-parallel mgrit"
+    for metric in ("train_step", "forward"):
+        records.append({"workload": name, "method": "serial pytorch", "ranks": 1,
+                        "metric": metric, "seconds": serial[metric], "ratio_to_serial": 1.0})
+        base = runs[ranks[0]][mgrit_name][metric] * ranks[0]
+        for p in ranks:
+            for method, times in runs[p].items():
+                if method == "ranks" or metric not in times:
+                    continue
+                rec = {"workload": name, "method": method, "ranks": p, "metric": metric,
+                       "seconds": times[metric], "ratio_to_serial": times[metric] / serial[metric]}
+                if method == mgrit_name:
+                    rec["efficiency"] = base / (p * times[metric])
+                records.append(rec)
+    quality = gradient_quality(work)
+    records.append({"workload": name, "method": mgrit_name, "ranks": 1,
+                    "metric": "gradient", "forward_cycles": work.forward.max_iter,
+                    "backward_cycles": work.backward.max_iter, **quality,
+                    "stats": runs[ranks[0]][mgrit_name]["stats"]})
+    return records
+
+
+def print_timing(name: str, records: list[dict[str, Any]]) -> None:
+    work = WORKLOADS[name]()
+    print(f"{name.upper()}: {work.description}")
+    print(f"{'metric':>10}  {'method':>40}  {'ranks':>5}  {'ms':>9}  {'vs serial':>9}  "
+          f"{'efficiency':>10}")
+    for rec in records:
+        if rec["metric"] == "gradient":
+            continue
+        eff = f"{rec['efficiency']:10.2f}" if "efficiency" in rec else f"{'-':>10}"
+        print(f"{rec['metric']:>10}  {rec['method']:>40}  {rec['ranks']:>5}  "
+              f"{rec['seconds'] * 1e3:9.2f}  {rec['ratio_to_serial']:9.2f}  {eff}")
+    grad = next(r for r in records if r["metric"] == "gradient")
+    print(f"gradient with {grad['forward_cycles']} forward / {grad['backward_cycles']} backward "
+          f"cycles vs exact: cosine {grad['cosine']:.4f}, relative error "
+          f"{grad['relative_error']:.3f}; forward output vs serial: relative error "
+          f"{grad['output_relative_error']:.1e}")
+
+
+# W3: accuracy on digits -----------------------------------------------------------------
+
+W3_SETTINGS = dict(width=32, num_steps=32, epochs=30, batch_size=32, lr=0.05, seed=0)
+
+
+def train_digits(comm: Any = None, serial: bool = False, **overrides: Any) -> dict[str, Any]:
+    """Train W3's network on digits, layer-parallel (or serially) with a fixed seed; returns
+    test accuracy (and, layer-parallel, the exported serial model's accuracy)."""
+    s = {**W3_SETTINGS, **overrides}
+    split = digits()
+    torch.manual_seed(s["seed"])
+    net = models.digits_dense(s["width"], s["num_steps"])
+    if serial:
+        model: nn.Module = serial_resnet(net.step, net.num_steps, net.t_final, net.opening,
+                                         net.closing)
+    else:
+        fwd, bwd = _mgrit_configs()
+        model = LayerParallel(net.step, net.num_steps, net.t_final, fwd, bwd, comm=comm,
+                              opening=net.opening, closing=net.closing)
+    opt = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=0.9)
+    gen = torch.Generator().manual_seed(s["seed"])
+    loss_fn = nn.functional.cross_entropy
+    start = time.perf_counter()
+    for _ in range(s["epochs"]):
+        train_epoch(model, opt, split.x_train, split.y_train, s["batch_size"], gen, loss_fn)
+    seconds = time.perf_counter() - start
+    _, accuracy = evaluate(model, split.x_test, split.y_test, loss_fn)
+    record = {"workload": "w3", "method": "serial pytorch" if serial else "layer-parallel mgrit",
+              "metric": "test_accuracy", "value": accuracy, "train_seconds": seconds,
+              "settings": s}
+    if not serial:
+        plain = model.to_serial()
+        if plain is not None:
+            record["exported_accuracy"] = evaluate(plain, split.x_test, split.y_test, loss_fn)[1]
+    return record
+
+
+def accuracy_records(ranks: list[int], launch: Callable[[str, int, int], dict]
+                     ) -> list[dict[str, Any]]:
+    records = [{"ranks": 1, **train_digits(serial=True)}]
+    for p in ranks:
+        rec = train_digits() if p == 1 else launch("w3", p, 1)
+        records.append({**rec, "ranks": p})
+    return records
+
+
+def print_accuracy(records: list[dict[str, Any]]) -> None:
+    s = records[0]["settings"]
+    print(f"W3: digits, dense tanh ResNet width {s['width']}, N = {s['num_steps']}, "
+          f"{s['epochs']} epochs, batch {s['batch_size']}, SGD({s['lr']}, 0.9), seed "
+          f"{s['seed']}; MGRIT 3 levels, m = 4, 2 forward / 1 backward cycle")
+    print(f"{'method':>22}  {'ranks':>5}  {'test accuracy':>13}  {'exported':>9}  {'train s':>8}")
+    for rec in records:
+        exported = (f"{rec['exported_accuracy'] * 100:8.2f}%" if "exported_accuracy" in rec
+                    else f"{'-':>9}")
+        print(f"{rec['method']:>22}  {rec['ranks']:>5}  {rec['value'] * 100:12.2f}%  "
+              f"{exported}  {rec['train_seconds']:8.1f}")

@@ -1,0 +1,192 @@
+"""The `mgrit` command: train, compare, bench, demo.
+
+    mgrit train [--config FILE] [flags]          (also under mpiexec -n P python -m mpi4py -m mgrit)
+    mgrit compare [--config FILE] [flags] --ranks P
+    mgrit bench WORKLOAD... [--ranks 1,2] [--json FILE]
+    mgrit demo                                   the heat equation, parallel in time
+    mgrit replay TRACE [--latency S] [--bandwidth B/s] [--overhead S]
+                                                 predicted step times of a recorded trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import demo
+from .data import DataError
+from .settings import SettingsError, load, parse_override
+
+# flag -> (section, key); each overrides the config file
+SHORTCUTS = {
+    "dataset": ("data", "name"), "network": ("network", "kind"), "width": ("network", "width"),
+    "channels": ("network", "channels"), "steps": ("network", "steps"),
+    "t_final": ("network", "t_final"), "epochs": ("training", "epochs"),
+    "batch_size": ("training", "batch_size"), "optimizer": ("training", "optimizer"),
+    "lr": ("training", "lr"), "seed": ("training", "seed"),
+    "data_parallel": ("training", "data_parallel"), "out": ("output", "dir"),
+    "trace": ("output", "trace"),
+}
+TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size": int,
+         "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int}
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="settings file (TOML, YAML or JSON)")
+    parser.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                        help="override one setting, e.g. --set forward.max_iter=3 "
+                             "(values are read as TOML); repeatable")
+    for name in SHORTCUTS:
+        section, key = SHORTCUTS[name]
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=TYPES.get(name, str),
+                            help=f"[{section}] {key}")
+    parser.add_argument("--levels", type=int, help="[forward] and [backward] levels")
+    parser.add_argument("--serial", action="store_true", help="train the plain network with "
+                        "autograd in one process (the baseline)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-checkpoint", action="store_true", help="no checkpoints")
+    parser.add_argument("--verbose", action="store_true", help="every rank logs its steps")
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    overrides = [parse_override(text) for text in args.set]
+    for name, (section, key) in SHORTCUTS.items():
+        value = getattr(args, name)
+        if value is not None:
+            overrides.append({section: {key: value}})
+    if args.levels is not None:
+        overrides.append({"forward": {"levels": args.levels},
+                          "backward": {"levels": args.levels}})
+    flags = {"serial": ("training", "serial", True), "no_progress": ("output", "progress", False),
+             "no_checkpoint": ("output", "checkpoint", False),
+             "verbose": ("output", "verbose", True)}
+    for attr, (section, key, value) in flags.items():
+        if getattr(args, attr, False):
+            overrides.append({section: {key: value}})
+    return load(args.config, overrides)
+
+
+def _world() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train import Run
+
+    torch.set_num_threads(1)
+    settings = settings_from(args)
+    if settings.output.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    world = _world()
+    summary = Run(settings, world, resume=args.resume).run()
+    if (world is None or world.Get_rank() == 0) and summary:
+        print(f"test accuracy {summary['test_accuracy'] * 100:.2f}% after epoch "
+              f"{summary['epoch']}; metrics in {Path(settings.output.dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import compare
+
+    torch.set_num_threads(1)
+    settings = settings_from(args)
+    out = Path(settings.output.dir)
+    compare.compare_training(settings, out, args.ranks)
+    if args.solver_study:
+        network = out / "serial" / "model.pt"
+        from .data import load as load_data
+
+        split = load_data(settings.data.name, settings.data.root, settings.data.download,
+                          settings.data.test_fraction, settings.data.samples)
+        compare.solver_study(out, network=network, sample=split.x_test[:64])
+    return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from .replay import Interconnect, load_traces, replay, step_spans
+
+    traces, meta = load_traces(args.trace)
+    network = Interconnect(args.latency, args.bandwidth, args.overhead)
+    pred = replay(traces, network)
+    spans = step_spans(pred)
+    measured = meta.get("step_seconds", [])
+    print(f"{args.trace}: {len(traces)} ranks, {len(spans)} traced training steps; network "
+          f"latency {network.latency:.2e} s, bandwidth {network.bandwidth:.2e} B/s, "
+          f"overhead {network.overhead:.2e} s per message")
+    print(f"{'step':>5} {'predicted':>10} {'measured':>10}")
+    for k, seconds in enumerate(spans):
+        m = f"{measured[k] * 1e3:8.2f}ms" if k < len(measured) else f"{'-':>10}"
+        print(f"{k + 1:>5} {seconds * 1e3:8.2f}ms {m}")
+    crit = pred.critical
+    print(f"over all traced steps: {pred.total * 1e3:.2f} ms; compute per rank mean "
+          f"{sum(pred.busy) / len(pred.busy) * 1e3:.2f} ms, max {max(pred.busy) * 1e3:.2f} ms; "
+          f"critical path {crit['compute'] * 1e3:.2f} ms compute, "
+          f"{crit['communication'] * 1e3:.2f} ms communication, {crit['hops']} message hops")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`mgrit bench ...` is the benchmarks' own command line (`python -m benchmarks.bench`),
+    which ships with a source checkout of mgrit rather than with the library."""
+    try:
+        from benchmarks import bench
+    except ModuleNotFoundError as err:
+        if err.name != "benchmarks":
+            raise
+        raise ImportError("mgrit bench runs the benchmarks of a source checkout of mgrit "
+                          "(pip install -e . in the repository)") from None
+    return bench.main(args.arguments)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mgrit", description="Multigrid reduction in time "
+                                     "for time stepping and layer-parallel ResNet training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a ResNet (layer-parallel under mpiexec)")
+    add_training_arguments(train)
+    train.add_argument("--resume", action="store_true", help="continue from the latest "
+                       "checkpoint in the output directory")
+    cmp = sub.add_parser("compare", help="serial against layer-parallel training: figures, "
+                         "table, JSON")
+    add_training_arguments(cmp)
+    cmp.add_argument("--ranks", type=int, default=2, help="ranks of the layer-parallel run")
+    cmp.add_argument("--solver-study", action="store_true", help="also study the solver's "
+                     "convergence on Dahlquist, heat and the trained network's layers")
+    bench = sub.add_parser("bench", help="run benchmark workloads (the repository's "
+                           "research tools, `benchmarks/`)", add_help=False)
+    bench.add_argument("arguments", nargs=argparse.REMAINDER)
+    demo.add_arguments(sub.add_parser("demo", help="parallel-in-time heat equation solve"))
+    rep = sub.add_parser("replay", help="replay a trace recorded by `mgrit train --trace K` "
+                         "on a modelled network: predicted time per step")
+    rep.add_argument("trace", help="trace file (OUT/trace.json)")
+    rep.add_argument("--latency", type=float, default=5e-6, help="seconds per message hop "
+                     "(default 5e-6, an InfiniBand-class cluster)")
+    rep.add_argument("--bandwidth", type=float, default=1e10, help="bytes per second "
+                     "(default 1e10)")
+    rep.add_argument("--overhead", type=float, default=1e-6, help="sender's seconds per "
+                     "message (default 1e-6)")
+    args = parser.parse_args(argv)
+    handlers = {"train": run_train, "compare": run_compare, "bench": run_bench,
+                "demo": demo.run, "replay": run_replay}
+    try:
+        return handlers[args.command](args)
+    except (SettingsError, DataError, OSError, ValueError, TypeError, ImportError) as err:
+        rank = 0
+        if args.command == "train" and "mpi4py.MPI" in sys.modules:
+            rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
+        if rank == 0:
+            sys.stderr.write(f"mgrit {args.command}: error: {err}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""Settings of a training run: sections of typed keys, read from TOML or YAML and overridden
+by command-line flags. Every key is checked; an unknown key or value names the valid ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..core.config import Config
+
+DATASETS = ("digits", "peaks", "mnist1d", "mnist", "fashion-mnist", "cifar10")
+NETWORKS = ("dense", "conv")
+ACTIVATIONS = ("tanh", "relu", "sigmoid")
+OPTIMIZERS = ("sgd", "adam")
+
+
+class SettingsError(ValueError):
+    """A setting that is unknown, of the wrong type, or out of range."""
+
+
+@dataclass
+class DataSettings:
+    name: str = "digits"            # one of DATASETS
+    root: str = "data"              # where torchvision data sets live / are downloaded to
+    download: bool = False          # let torchvision download missing data
+    test_fraction: float = 0.3      # held-out part for digits, peaks, mnist1d
+    samples: int = 5000             # generated examples for peaks and mnist1d
+
+
+@dataclass
+class NetworkSettings:
+    kind: str = "dense"             # dense: Linear steps; conv: 3x3 Conv2d steps (images)
+    width: int = 32                 # state size of dense steps
+    channels: int = 8               # channels of conv steps
+    steps: int = 32                 # layers N (time steps)
+    t_final: float = 1.0            # T; the step size is h = T / N
+    activation: str = "tanh"        # activation inside dense steps
+
+
+@dataclass
+class TrainingSettings:
+    epochs: int = 10
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9           # SGD momentum
+    weight_decay: float = 0.0
+    seed: int = 0
+    data_parallel: int = 1          # replicas; ranks / data_parallel ranks hold the layers
+    serial: bool = False            # train the plain network with autograd (the baseline)
+
+
+@dataclass
+class OutputSettings:
+    dir: str = "out"
+    checkpoint: bool = True         # write a checkpoint after every epoch
+    export: bool = True             # write the exported serial model at the end
+    progress: bool = True           # progress bar on rank 0
+    verbose: bool = False           # every rank logs its own progress
+    trace: int = 0                  # record this many training steps to OUT/trace.json
+
+
+SOLVER_DEFAULTS = {
+    "forward": dict(levels=3, coarsening=4, relax=["F", "FCF"], max_iter=2, tol=0.0,
+                    min_coarse=1),
+    "backward": dict(levels=3, coarsening=4, relax=["F", "FCF"], max_iter=1, tol=0.0,
+                     min_coarse=1),
+}
+SOLVER_KEYS = tuple(f.name for f in fields(Config))
+
+
+@dataclass
+class Settings:
+    data: DataSettings = field(default_factory=DataSettings)
+    network: NetworkSettings = field(default_factory=NetworkSettings)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    output: OutputSettings = field(default_factory=OutputSettings)
+    forward: dict[str, Any] = field(default_factory=lambda: dict(SOLVER_DEFAULTS["forward"]))
+    backward: dict[str, Any] = field(default_factory=lambda: dict(SOLVER_DEFAULTS["backward"]))
+
+    def solver(self, kind: str) -> Config:
+        """The mgrit.Config of the forward or backward solve."""
+        values = dict(getattr(self, kind))
+        for key in ("coarsening", "relax"):
+            if isinstance(values.get(key), list):
+                values[key] = tuple(values[key])
+        try:
+            return Config(**values)
+        except (TypeError, ValueError) as err:
+            raise SettingsError(f"[{kind}] {err}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def network_identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed: data, network and solvers."""
+        d = self.as_dict()
+        return {"data": {k: d["data"][k] for k in ("name", "test_fraction", "samples")},
+                "network": d["network"], "forward": d["forward"], "backward": d["backward"],
+                "serial": d["training"]["serial"],
+                "data_parallel": d["training"]["data_parallel"]}
+
+
+SECTIONS = {"data": DataSettings, "network": NetworkSettings, "training": TrainingSettings,
+            "output": OutputSettings}
+CHOICES = {("data", "name"): DATASETS, ("network", "kind"): NETWORKS,
+           ("network", "activation"): ACTIVATIONS, ("training", "optimizer"): OPTIMIZERS}
+POSITIVE = {("data", "samples"), ("network", "width"), ("network", "channels"),
+            ("network", "steps"), ("training", "epochs"), ("training", "batch_size"),
+            ("training", "data_parallel")}
+
+
+def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
+    """Check (and where harmless convert) a value against the key's declared type."""
+    where = f"[{section}] {key}"
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SettingsError(f"{where} must be true or false, got {value!r}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingsError(f"{where} must be an integer, got {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SettingsError(f"{where} must be a number, got {value!r}")
+        value = float(value)
+    elif kind is str and not isinstance(value, str):
+        raise SettingsError(f"{where} must be a string, got {value!r}")
+    choices = CHOICES.get((section, key))
+    if choices is not None and value not in choices:
+        raise SettingsError(f"{where} = {value!r} is not valid; choose one of "
+                            f"{', '.join(map(repr, choices))}")
+    if (section, key) in POSITIVE and value < 1:
+        raise SettingsError(f"{where} must be >= 1, got {value}")
+    if (section, key) == ("data", "test_fraction") and not 0 < value < 1:
+        raise SettingsError(f"{where} must lie in (0, 1), got {value}")
+    if (section, key) == ("output", "trace") and value < 0:
+        raise SettingsError(f"{where} must be >= 0 (training steps to trace), got {value}")
+    if (section, key) == ("training", "lr") and not value > 0:
+        raise SettingsError(f"{where} must be > 0, got {value}")
+    return value
+
+
+def _field_type(cls: type, key: str) -> Any:
+    hints = {"str": str, "int": int, "float": float, "bool": bool}
+    annotation = {f.name: f.type for f in fields(cls)}[key]
+    return hints.get(annotation, annotation) if isinstance(annotation, str) else annotation
+
+
+def apply(settings: Settings, values: dict[str, Any]) -> Settings:
+    """Settings with the nested `values` ({section: {key: value}}) applied and checked."""
+    for section, entries in values.items():
+        if section in ("forward", "backward"):
+            if not isinstance(entries, dict):
+                raise SettingsError(f"[{section}] must be a table of solver options")
+            for key, value in entries.items():
+                if key not in SOLVER_KEYS:
+                    raise SettingsError(f"unknown key {key!r} in [{section}]; valid keys: "
+                                        f"{', '.join(SOLVER_KEYS)}")
+                getattr(settings, section)[key] = value
+            settings.solver(section)
+            continue
+        if section not in SECTIONS:
+            raise SettingsError(f"unknown section [{section}]; valid sections: "
+                                f"{', '.join(list(SECTIONS) + ['forward', 'backward'])}")
+        if not isinstance(entries, dict):
+            raise SettingsError(f"[{section}] must be a table of keys")
+        target = getattr(settings, section)
+        valid = [f.name for f in fields(target)]
+        for key, value in entries.items():
+            if key not in valid:
+                raise SettingsError(f"unknown key {key!r} in [{section}]; valid keys: "
+                                    f"{', '.join(valid)}")
+            setattr(target, key, _coerce(section, key, value, _field_type(type(target), key)))
+    return settings
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A TOML (.toml), YAML (.yaml, .yml) or JSON settings file as nested dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise SettingsError(f"settings file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        return _toml().loads(text)
+    if path.suffix == ".json":
+        return json.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise SettingsError(f"reading {path} needs PyYAML: pip install pyyaml "
+                                "(or write the settings as TOML)") from None
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise SettingsError(f"{path} must hold a mapping of sections")
+        return data
+    raise SettingsError(f"settings file {path} must end in .toml, .yaml, .yml or .json")
+
+
+def _toml() -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+        return tomllib
+    import tomli  # pragma: no cover - Python 3.10
+    return tomli
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """'section.key=value' as {section: {key: value}}; the value is read as TOML (numbers,
+    true/false, ["lists"]) and otherwise taken as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise SettingsError(f"--set expects section.key=value, got {text!r}")
+    name, raw = text.split("=", 1)
+    section, key = name.strip().split(".", 1)
+    try:
+        value = _toml().loads(f"v = {raw}")["v"]
+    except Exception:
+        value = raw
+    return {section: {key.strip(): value}}
+
+
+def load(path: str | Path | None = None, overrides: list[dict[str, Any]] = ()) -> Settings:
+    """Defaults, then the file, then each override in order."""
+    settings = Settings()
+    if path is not None:
+        apply(settings, read_file(path))
+    for values in overrides:
+        apply(settings, values)
+    return settings
+
+
+def dumps(settings: Settings) -> str:
+    return json.dumps(settings.as_dict(), indent=2)
+
+
+def describe_keys() -> list[tuple[str, str, Any]]:
+    """(section, key, default) of every setting, for the documentation and --help."""
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            out.append((section, f.name, getattr(cls(), f.name)))
+    for section in ("forward", "backward"):
+        for key in SOLVER_KEYS:
+            default = SOLVER_DEFAULTS[section].get(key, getattr(Config(), key))
+            out.append((section, key, default))
+    return out
+

@@ -1,0 +1,406 @@
+"""FAS restriction, coarse right-hand side, correction, V- and F-cycles, and solve()."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..comm import Comm, as_comm
+from ..execute import make_executor
+from .config import Config
+from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
+from .level import Level
+from .propagator import Propagator
+from .relax import c_relax, f_relax, propagate_to_c_points, sweep
+
+
+class DivergenceError(RuntimeError):
+    """The residual became NaN/Inf or grew past Config.divergence_factor times its first value.
+
+    `residuals` holds the history up to and including the offending cycle.
+    """
+
+    def __init__(self, message: str, residuals: list[float]) -> None:
+        super().__init__(message)
+        self.residuals = residuals
+
+
+@dataclass
+class Result:
+    """Outcome of one MGRIT solve.
+
+    residuals:  residual norm after each cycle (DESIGN.md section 2)
+    iterations: cycles done
+    converged:  whether the tolerance was met within max_iter cycles
+    final:      the state at t1, on every rank
+    states:     the rank's own level-0 points, first_index..first_index+len-1
+    levels:     levels of the hierarchy actually used
+    initial_residual: residual of the guess after its first F-relaxation
+                (computed for tol_kind="relative", else None)
+    """
+
+    residuals: list[float]
+    iterations: int
+    converged: bool
+    final: Tensor
+    states: Tensor
+    first_index: int
+    levels: int
+    initial_residual: float | None = None
+
+
+def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)
+
+
+def _warn_below_round_off(config: Config, dtype: torch.dtype) -> None:
+    """A relative tolerance that the states' precision cannot reach is a wasted solve: the
+    residual stalls at round-off and every one of max_iter cycles runs. Not an error (a
+    caller may want max_iter cycles), so a warning, at construction."""
+    if config.tol_kind != "relative" or config.tol == 0.0:
+        return
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return
+    eps = torch.finfo(dtype).eps
+    if config.tol < 10 * eps:
+        warnings.warn(f"tol={config.tol:g} (relative) is below what {dtype} states resolve "
+                      f"(machine epsilon {eps:.1e}): the residual stalls at round-off, the "
+                      f"solve will not converge and runs all max_iter={config.max_iter} "
+                      "cycles; use a tolerance above 10 epsilon or a wider dtype",
+                      RuntimeWarning, stacklevel=3)
+
+
+class Solver:
+    """MGRIT for one propagator, state shape and time grid; reusable across solves.
+
+    Level storage is allocated once here and reused by every `solve`, whose
+    returned `states` are views into it (valid until the next solve).
+    """
+
+    def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
+                 config: Config | None = None, comm: Comm | Any = None,
+                 blocks: list[tuple[int, int]] | None = None) -> None:
+        config = Config() if config is None else config
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a mgrit.Config, got {type(config).__name__}")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int):
+            raise TypeError(f"num_steps must be an int, got {num_steps!r}")
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        t0 = _check_number("t0", t0)
+        t1 = _check_number("t1", t1)
+        if t1 == t0:
+            raise ValueError(f"t1 must differ from t0, both are {t0}")
+        if not callable(getattr(prop, "step", None)):
+            raise TypeError(f"the propagator {type(prop).__name__} has no step(u, s) method")
+        if not isinstance(like, Tensor):
+            raise TypeError(f"u0 must be a torch.Tensor, got {type(like).__name__}")
+        self.prop = prop
+        self.config = config
+        self.num_steps = num_steps
+        self.t0, self.t1 = t0, t1
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        _warn_below_round_off(config, like.dtype)
+        self.executor = make_executor(config.execution, prop, config.cuda_graphs)
+        self.comm = as_comm(comm)
+        if isinstance(config.initial_guess, Tensor):
+            self._check_guess(config.initial_guess)
+        self.comm.agree("solver settings (num_steps, t0, t1, state shape, dtype, config)",
+                        (num_steps, t0, t1, tuple(like.shape), str(like.dtype),
+                         tuple(sorted(config.describe().items()))))
+        grids = build_hierarchy(num_steps, config.coarsening_list(), config.levels,
+                                config.min_coarse)
+        if blocks is None:
+            blocks = level0_blocks(grids, self.comm.size)
+        elif len(blocks) != self.comm.size:
+            raise ValueError(f"blocks lists {len(blocks)} ranks, the communicator has "
+                             f"{self.comm.size}")
+        check_blocks(blocks, num_steps + 1)
+        self.blocks = list(blocks)
+        h = (t1 - t0) / num_steps
+        self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
+                       for local in local_levels(grids, self.comm.size, self.comm.rank, blocks)]
+        self._has_solved = False
+        self._phi_cache: tuple[int, Tensor] | None = None
+        self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
+        self._step_checked = False
+
+    # input checks ------------------------------------------------------------
+    def _check_guess(self, guess: Tensor) -> None:
+        expected = (self.num_steps + 1, *self.shape)
+        if tuple(guess.shape) != expected or guess.dtype != self.dtype:
+            raise ValueError(f"initial_guess tensor has shape {tuple(guess.shape)} and dtype "
+                             f"{guess.dtype}; expected shape {expected} (num_steps + 1 points) "
+                             f"and dtype {self.dtype}")
+
+    def _check_u0(self, u0: Tensor) -> None:
+        if not isinstance(u0, Tensor):
+            raise TypeError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
+        if u0.shape != self.shape or u0.dtype != self.dtype:
+            raise ValueError(f"u0 has shape {tuple(u0.shape)} and dtype {u0.dtype}; this solver "
+                             f"was built for shape {tuple(self.shape)} and dtype {self.dtype}")
+        if not bool(torch.isfinite(u0).all()):
+            raise ValueError("u0 contains NaN or Inf")
+
+    def _check_step(self, u0: Tensor) -> None:
+        """One fine step on u0 (the first step this rank takes) must keep shape and dtype."""
+        fine = self.levels[0]
+        if fine.empty or fine.last == 0:   # no point, or point 0 alone: this rank takes no step
+            return
+        out = self.prop.step(u0, fine.step(max(fine.first - 1, 0)))
+        if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
+            got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
+                   else type(out).__name__)
+            raise TypeError(f"{type(self.prop).__name__}.step returned {got} for a state of "
+                            f"shape {tuple(u0.shape)}, dtype {u0.dtype}; it must keep both")
+        self._step_checked = True
+
+    # set-up of one solve -----------------------------------------------------
+    def _initialize(self, u0: Tensor, guess: str | Tensor) -> None:
+        self._phi_cache = None
+        for level in self.levels:
+            level.drain()
+            if level.index > 0:
+                level.u.zero_()
+                level.g.zero_()
+        fine = self.levels[0]
+        if isinstance(guess, Tensor):
+            if not fine.empty:
+                fine.u[1:] = guess[fine.first: fine.last + 1]
+                if fine.first > 0:
+                    fine.u[0] = guess[fine.first - 1]
+        elif guess != "warm" or not self._has_solved:
+            fine.u.zero_()
+        for level in self.levels:
+            if level.empty:
+                continue
+            if level.first == 0:
+                level.u[level.row(0)] = u0
+            elif level.first == 1:
+                level.u[0] = u0
+
+    # the cycle -----------------------------------------------------------------
+    def _restrict(self, l: int) -> None:
+        """Inject level l's C-points into level l+1 and form its FAS right-hand side."""
+        fine, coarse = self.levels[l], self.levels[l + 1]
+        coarse.drain()
+        if coarse.empty:
+            return
+        m = fine.grid.coarsening
+        coarse.post_v_ghost()
+        coarse.v[1:] = fine.u[fine.rows(coarse.first * m, m, coarse.count)]
+        coarse.publish_v()
+        first_c, count = fine.c_points()
+        if count:
+            phi = self._phi_at_c_points(fine, first_c, count)
+            rows = fine.rows(first_c, m, count)
+            if fine.g is None:
+                residual = phi - fine.u[rows]
+            else:
+                residual = (fine.g[rows] - fine.u[rows]) + phi
+            j0 = first_c // m
+            if j0 == coarse.first:
+                coarse.wait_v_ghost()
+            prev = coarse.v[coarse.rows(j0 - 1, 1, count)]
+            phi_coarse = self.executor.advance(self.prop, prev, coarse.batch(j0 - 1, 1, count))
+            crows = coarse.rows(j0, 1, count)
+            coarse.g[crows] = (residual + coarse.v[crows]) - phi_coarse
+        coarse.wait_v_ghost()
+        coarse.u.copy_(coarse.v)
+
+    def _update_c_points(self, l: int, correct: bool) -> None:
+        """Level l's C-points from level l+1: add the correction (u_c - v), or inject u_c."""
+        fine, coarse = self.levels[l], self.levels[l + 1]
+        if fine.empty:
+            return
+        fine.post_ghost(c_phase=True)
+        if not coarse.empty:
+            rows = fine.rows(coarse.first * fine.grid.coarsening, fine.grid.coarsening,
+                             coarse.count)
+            if correct:
+                fine.u[rows] += coarse.u[1:] - coarse.v[1:]
+            else:
+                fine.u[rows] = coarse.u[1:]
+        fine.changed(c_phase=True)
+
+    def _fine_sweep(self, active: bool) -> None:
+        """Tell a propagator that wants to know (`fine_sweep(active)`) when the final sweep of
+        level 0 begins and, after the residual, ends: the steps in between see final values,
+        one step per fine step."""
+        hook = getattr(self.prop, "fine_sweep", None)
+        if hook is not None:
+            hook(active)
+
+    def _cycle(self, l: int, kind: str, first_f: bool) -> None:
+        level = self.levels[l]
+        if level.grid.is_coarsest:
+            if l == 0:
+                self._fine_sweep(True)
+            sweep(level, self.prop, self.executor)
+            return
+        if first_f:
+            f_relax(level, self.prop, self.executor)
+        for _ in range(self.config.cf_sweeps_at(l)):
+            c_relax(level, self.prop, self.executor, self.config.c_weight)
+            f_relax(level, self.prop, self.executor)
+        self._restrict(l)
+        self._cycle(l + 1, kind, True)
+        self._update_c_points(l, correct=True)
+        if l == 0:
+            self._fine_sweep(True)
+        f_relax(level, self.prop, self.executor)
+        if l > 0 and kind == "F":
+            self._cycle(l, "V", False)
+
+    def _nested(self) -> None:
+        """Solve the coarsest level, then inject level by level with one V-cycle each."""
+        sweep(self.levels[-1], self.prop, self.executor)
+        for l in range(len(self.levels) - 2, -1, -1):
+            self._update_c_points(l, correct=False)
+            if l > 0:
+                self._cycle(l, "V", True)
+
+    def _phi_at_c_points(self, level: Level, first_c: int, count: int) -> Tensor:
+        """Phi(u_{c-1}) at the rank's C-points of level 0, reused while u is unchanged: with
+        F-relaxation the residual after a cycle and the next restriction need the same values."""
+        if level.index > 0:
+            return propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+        cached = self._phi_cache
+        if cached is not None and cached[0] == level.version:
+            return cached[1]
+        phi = propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+        self._phi_cache = (level.version, phi)
+        return phi
+
+    def _residual(self) -> float:
+        """2-norm over the fine C-points j >= 1 of Phi(u_{j-1}) - u_j, over all ranks."""
+        return math.sqrt(self.comm.allreduce_sum(self._local_residual()))
+
+    def _local_residual(self) -> float:
+        """This rank's part of the squared residual norm."""
+        fine = self.levels[0]
+        if fine.empty or fine.grid.is_coarsest:
+            return 0.0
+        first_c, count = fine.c_points()
+        if not count:
+            return 0.0
+        phi = self._phi_at_c_points(fine, first_c, count)
+        r = phi - fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
+        return float(torch.linalg.vector_norm(r)) ** 2
+
+    def _residuals(self, local: list[float]) -> list[float]:
+        """Residual norms from every rank's parts, all in one reduction."""
+        if self.comm.size == 1:
+            return [math.sqrt(x) for x in local]
+        buf = torch.tensor(local, dtype=torch.float64)
+        self.comm.allreduce_sum_(buf)
+        return [math.sqrt(x) for x in buf.tolist()]
+
+    def _check_divergence(self, residuals: list[float]) -> None:
+        """Raise (every rank alike) at the first cycle whose residual is not finite or grew
+        past divergence_factor times the first cycle's."""
+        for k, r in enumerate(residuals):
+            if not math.isfinite(r) or r > self.config.divergence_factor * residuals[0]:
+                self._drain()
+                history = residuals[:k + 1]
+                raise DivergenceError(
+                    f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
+                    f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
+                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
+                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
+                    "use fewer levels, a smaller coarsening, or more steps.", history)
+
+    def fine_states(self) -> tuple[Tensor, int]:
+        """The rank's level-0 storage and the point its first row holds.
+
+        Row 0 is the previous rank's last point (valid after a solve), rows 1.. the
+        rank's own points: the linearisation states a backward pass needs.
+        """
+        fine = self.levels[0]
+        return fine.u, fine.first - 1
+
+    def _drain(self) -> None:
+        for level in self.levels:
+            level.drain()
+
+    # the solve -----------------------------------------------------------------
+    def solve(self, u0: Tensor) -> Result:
+        """Run cycles from the configured initial guess until converged or max_iter."""
+        try:
+            return self._solve(u0)
+        except Exception as err:
+            if self.comm.size > 1:
+                err.add_note(f"mgrit: raised on rank {self.comm.rank} of {self.comm.size}")
+            raise
+
+    def _solve(self, u0: Tensor) -> Result:
+        cfg = self.config
+        self._check_u0(u0)
+        if not self._step_checked:
+            self._check_step(u0)
+        self._initialize(u0, cfg.initial_guess)
+        if cfg.initial_guess == "nested" and len(self.levels) > 1:
+            self._nested()
+        # With tol = 0 a multilevel solve runs all its cycles whatever the residuals are:
+        # their norms are reduced over the ranks once, at the end, so that no cycle waits
+        # for every rank to finish the one before (the divergence check moves there too).
+        deferred = cfg.tol == 0.0 and len(self.levels) > 1
+        residuals: list[float] = []
+        parts: list[float] = []
+        initial = None
+        converged = False
+        for iteration in range(cfg.max_iter):
+            if iteration == 0 and len(self.levels) > 1:
+                f_relax(self.levels[0], self.prop, self.executor)
+            if iteration == 0 and cfg.tol_kind == "relative":
+                if deferred:
+                    parts.append(self._local_residual())
+                else:
+                    initial = self._residual()
+            self._cycle(0, cfg.cycle, first_f=False)
+            if deferred:
+                parts.append(self._local_residual())
+                self._fine_sweep(False)
+                continue
+            r = self._residual()
+            self._fine_sweep(False)
+            residuals.append(r)
+            self._check_divergence(residuals)
+            threshold = cfg.tol * initial if cfg.tol_kind == "relative" else cfg.tol
+            if r <= threshold:
+                converged = True
+                break
+        if deferred:
+            residuals = self._residuals(parts)
+            if cfg.tol_kind == "relative":
+                initial = residuals.pop(0)
+            self._check_divergence(residuals)
+            converged = residuals[-1] <= 0.0
+        self._drain()
+        self._has_solved = True
+        fine = self.levels[0]
+        final = torch.zeros_like(u0)
+        if self.comm.rank == self._final_owner:
+            final.copy_(fine.u[fine.row(self.num_steps)])
+        self.comm.bcast_(final, self._final_owner)
+        return Result(residuals=residuals, iterations=len(residuals), converged=converged,
+                      final=final, states=fine.u[1:], first_index=fine.first,
+                      levels=len(self.levels), initial_residual=initial)
+
+
+def solve(prop: Propagator, u0: Tensor, num_steps: int, t0: float, t1: float,
+          config: Config | None = None, comm: Comm | Any = None) -> Result:
+    """Solve u_{n+1} = Phi_n(u_n), n = 0..num_steps-1, on [t0, t1] with MGRIT.
+
+    `comm=None` solves in this process; a communicator spreads the time points
+    over its ranks (every rank calls solve with the same arguments).
+    """
+    return Solver(prop, u0, num_steps, t0, t1, config, comm).solve(u0)

@@ -1,0 +1,159 @@
+"""One level's state storage on one rank, and the exchange of its boundary point.
+
+Rows of `u` (and `v`, `g`) hold the rank's points first..last at rows 1..count;
+row 0 is the ghost: a copy of point first-1, owned by the previous rank. Every
+operation that changes the rank's points ends with `changed`, which counts a new
+version of the level and sends the last point to the next rank when it changed,
+and every operation that reads the ghost first makes sure the latest copy has
+arrived (`wait_ghost`). Which messages flow is decided by the grid alone, so
+both sides agree without asking each other: after an F-phase (F-relaxation,
+sequential march) a rank sends its last point when that point is an F-point;
+after a C-phase (C-relaxation, correction, injection) when it is a C-point.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..comm import Comm, Request
+from .grid import LocalLevel
+from .propagator import Step, StepBatch, make_step
+
+_U_TAG, _V_TAG = 0, 1
+
+
+class Level:
+    """Storage and boundary exchange of one level on one rank."""
+
+    def __init__(self, local: LocalLevel, like: Tensor, comm: Comm, t0: float, h: float,
+                 fas: bool) -> None:
+        self.local = local
+        self.grid = local.grid
+        self.index = local.grid.level
+        self.first, self.last = local.first, local.last
+        self.count = local.count
+        self.offset = self.first - 1
+        self.comm = comm
+        self.t0, self.h = t0, h
+        self.dt = h * self.grid.stride
+        # a rank with no point on this level stores nothing (not even the ghost row)
+        shape = (self.count + 1 if self.count else 0, *like.shape)
+        self.u = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.zeros_like(self.u) if fas else None
+        self.g = torch.zeros_like(self.u) if fas else None
+        self._state = (like.shape, like.dtype, like.device)
+        self._send_buf: dict[int, Tensor] = {}     # allocated at a kind's first send
+        self._sends: dict[int, Request] = {}
+        self._recvs: dict[int, Request] = {}
+        self.version = 0   # bumped by every change of u, so results computed from it can be reused
+        self._rows: tuple[list[Tensor], list[Tensor] | None] | None = None
+        self._last_row = self.u[-1] if self.count else None    # what `changed` sends on
+        self._steps: dict[int, Step] = {}
+        # which phase moves the boundary points, fixed by the grid: asked at every phase
+        self._ghost_after_c = self.grid.is_c_point(self.first - 1)
+        self._last_after_c = self.grid.is_c_point(self.last)
+
+    # index maths -----------------------------------------------------------
+    @property
+    def empty(self) -> bool:
+        return self.count == 0
+
+    def row_views(self) -> tuple[list[Tensor], list[Tensor] | None]:
+        """One view per row of u and of g (None on level 0), made at the first march of
+        this level and kept (u and g are never reallocated): a march takes one step at a
+        time and would otherwise make two views per step. Not made up front: a level that
+        is never marched (the fine levels of a serial solve) would pay for a view per point
+        at every Solver construction."""
+        if self._rows is None:
+            self._rows = (list(self.u), None if self.g is None else list(self.g))
+        return self._rows
+
+    def row(self, j: int) -> int:
+        return j - self.offset
+
+    def step(self, index: int) -> Step:
+        """The step from point `index` to `index + 1` on this level."""
+        step = self._steps.get(index)
+        if step is None:
+            step = self._steps[index] = make_step(self.index, index, self.grid.stride, self.t0,
+                                                  self.h)
+        return step
+
+    def batch(self, start: int, stride: int, count: int) -> StepBatch:
+        return StepBatch(self.index, start, stride, count, self.grid.stride, self.t0, self.h)
+
+    def rows(self, first_j: int, stride: int, count: int) -> slice:
+        """Rows of the points first_j, first_j + stride, ... (count of them)."""
+        start = first_j - self.offset
+        return slice(start, start + stride * (count - 1) + 1, stride)
+
+    def c_points(self, skip_zero: bool = True) -> tuple[int, int]:
+        """(first C-point, number of C-points) in the rank's range; point 0 left out
+        when `skip_zero`, for operations that never change the initial value."""
+        m = self.grid.coarsening or (self.grid.num_steps + 1)
+        first_c = -(-self.first // m) * m
+        if skip_zero and first_c == 0:
+            first_c = m
+        count = (self.last - first_c) // m + 1 if self.last >= first_c else 0
+        return first_c, count
+
+    def tag(self, kind: int) -> int:
+        return 2 * self.index + kind
+
+    # boundary exchange -----------------------------------------------------
+    def post_ghost(self, c_phase: bool) -> None:
+        """Post the receive of the previous rank's last point for this phase."""
+        prev = self.local.prev_rank
+        if prev is not None and self._ghost_after_c == c_phase:
+            self.wait_ghost()
+            self._recvs[_U_TAG] = self.comm.irecv(self.u[0], prev, self.tag(_U_TAG))
+
+    def wait_ghost(self) -> None:
+        req = self._recvs.pop(_U_TAG, None)
+        if req is not None:
+            req.wait()
+
+    def touched(self) -> None:
+        """u changed: results computed from an earlier version are stale."""
+        self.version += 1
+
+    def changed(self, c_phase: bool) -> None:
+        """End of a phase that changed u (its C-points or F-points): count a new version and
+        send the last point to the next rank if this phase changed it."""
+        self.touched()
+        nxt = self.local.next_rank
+        if nxt is not None and self._last_after_c == c_phase:
+            self._send(_U_TAG, self._last_row, nxt)
+
+    def post_v_ghost(self) -> None:
+        if self.local.prev_rank is not None:
+            self._recvs[_V_TAG] = self.comm.irecv(self.v[0], self.local.prev_rank,
+                                                  self.tag(_V_TAG))
+
+    def wait_v_ghost(self) -> None:
+        req = self._recvs.pop(_V_TAG, None)
+        if req is not None:
+            req.wait()
+
+    def publish_v(self) -> None:
+        if self.local.next_rank is not None:
+            self._send(_V_TAG, self.v[-1], self.local.next_rank)
+
+    def _send(self, kind: int, value: Tensor, dest: int) -> None:
+        previous = self._sends.pop(kind, None)
+        if previous is not None:
+            previous.wait()
+        buf = self._send_buf.get(kind)
+        if buf is None:
+            shape, dtype, device = self._state
+            buf = self._send_buf[kind] = torch.zeros(shape, dtype=dtype, device=device)
+        buf.copy_(value)
+        self._sends[kind] = self.comm.isend(buf, dest, self.tag(kind))
+
+    def drain(self) -> None:
+        """Complete every message of this level still in flight."""
+        for req in list(self._recvs.values()) + list(self._sends.values()):
+            req.wait()
+        self._recvs.clear()
+        self._sends.clear()

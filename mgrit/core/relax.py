@@ -1,0 +1,131 @@
+"""F- and C-relaxation over one level, and the sequential march they share.
+
+On level l the point j is updated as u_j = g_j + Phi(u_{j-1}) (g is zero on
+level 0). F-relaxation advances every coarse interval from its C-point
+through its F-points: the m-1 sub-steps each go over all of the rank's
+intervals in one executor call. An interval whose C-point lies on an earlier
+rank (the rank's leading F-points) is marched step by step once the previous
+rank's last point has arrived; the rank's own last point is sent on before that
+wait, so a run of such ranks does not become a chain.
+
+The parts of a sweep between its messages (the batched sub-steps, a march) go through
+`_sweep`, which an executor with CUDA graphs (Config.cuda_graphs) captures and replays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..execute import Executor
+from .level import Level
+from .propagator import Propagator
+
+
+def _sweep(executor: Executor | None, level: Level, name: str, prop: Propagator,
+           work: Callable[[], None]) -> None:
+    """Run `work`, tensor work of one sweep of `level`, through the executor's CUDA graphs
+    where it has them."""
+    graphs = getattr(executor, "graphs", None)
+    if graphs is None:
+        work()
+    else:
+        graphs.run((level.index, name), level.u, prop, work)
+
+
+def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
+    """Sequentially set u_j = g_j + Phi(u_{j-1}) for j = j_from..j_to."""
+    u, g = level.row_views()
+    into = getattr(prop, "step_into", None)
+    for j in range(j_from, j_to + 1):
+        row = j - level.offset
+        if into is not None:
+            into(u[row - 1], level.step(j - 1), u[row], None if g is None else g[row])
+            continue
+        out = prop.step(u[row - 1], level.step(j - 1))
+        u[row].copy_(out if g is None else g[row] + out)
+
+
+def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
+    """Propagate every coarse interval from its C-point through its F-points."""
+    if level.empty:
+        return
+    m = level.grid.coarsening
+    u, g = level.u, level.g
+    level.post_ghost(c_phase=False)
+    first_c, _ = level.c_points(skip_zero=False)
+
+    def intervals() -> None:
+        for k in range(1, m):
+            if level.last - k < first_c:
+                break
+            count = (level.last - k - first_c) // m + 1
+            src = u[level.rows(first_c + k - 1, m, count)]
+            dst = level.rows(first_c + k, m, count)
+            executor.advance_into(prop, src, level.batch(first_c + k - 1, m, count), u[dst],
+                                  None if g is None else g[dst])
+
+    if first_c <= level.last:
+        _sweep(executor, level, "f", prop, intervals)
+    leading = level.first < first_c        # F-points of an interval begun on an earlier rank
+    last = min(first_c - 1, level.last)
+
+    def lead() -> None:
+        march(level, prop, level.first, last)
+
+    if leading and first_c <= level.last:
+        # the last point closes one of this rank's own intervals and is final already: pass
+        # it on before waiting for the ghost, or the ranks would wait for each other in turn
+        level.changed(c_phase=False)
+        level.wait_ghost()
+        _sweep(executor, level, "f-lead", prop, lead)
+        level.touched()
+        return
+    if leading:
+        level.wait_ghost()
+        _sweep(executor, level, "f-lead", prop, lead)
+    level.changed(c_phase=False)
+
+
+def propagate_to_c_points(level: Level, prop: Propagator, executor: Executor,
+                          first_c: int, count: int) -> Tensor:
+    """Phi(u_{c-1}) for the rank's C-points c = first_c, first_c + m, ... (count of them)."""
+    if first_c == level.first:
+        level.wait_ghost()
+    m = level.grid.coarsening
+    src = level.u[level.rows(first_c - 1, m, count)]
+    return executor.advance(prop, src, level.batch(first_c - 1, m, count))
+
+
+def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -> None:
+    """u_c = w*(g_c + Phi(u_{c-1})) + (1-w)*u_c at the rank's C-points (not point 0)."""
+    if level.empty:
+        return
+    level.post_ghost(c_phase=True)
+    first_c, count = level.c_points()
+    if count:
+        new = propagate_to_c_points(level, prop, executor, first_c, count)
+        rows = level.rows(first_c, level.grid.coarsening, count)
+        if weight == 1.0 and level.g is not None:
+            torch.add(level.g[rows], new, out=level.u[rows])
+        elif weight == 1.0:
+            level.u[rows] = new
+        else:
+            if level.g is not None:
+                new = level.g[rows] + new
+            level.u[rows] = weight * new + (1.0 - weight) * level.u[rows]
+    level.changed(c_phase=True)
+
+
+def sweep(level: Level, prop: Propagator, executor: Executor | None = None) -> None:
+    """Solve the coarsest level: one march over all points, rank after rank."""
+    if level.empty:
+        return
+    level.post_ghost(c_phase=False)
+    if level.first > 0:
+        level.wait_ghost()
+    _sweep(executor, level, "sweep", prop,
+           lambda: march(level, prop, max(level.first, 1), level.last))
+    level.changed(c_phase=False)

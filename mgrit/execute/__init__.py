@@ -1,0 +1,31 @@
+"""How independent work inside one rank runs: the intervals of a level advanced by a loop
+of single steps, by one batched call, or in groups on separate CUDA streams; and CUDA graphs
+of whole relaxation sweeps. The solver asks `make_executor` for the one that
+`Config.execution` names and never touches a device API itself."""
+
+from __future__ import annotations
+
+from ..core.propagator import Propagator, has_batched_step
+from .executors import BatchedExecutor, Executor, LoopExecutor, write_result
+from .graphs import CudaCapture, SweepGraphs
+from .streams import StreamExecutor
+
+__all__ = ["BatchedExecutor", "CudaCapture", "Executor", "LoopExecutor", "StreamExecutor",
+           "SweepGraphs", "make_executor", "write_result"]
+
+
+def make_executor(execution: str, prop: Propagator, cuda_graphs: bool = False) -> Executor:
+    """The executor that Config.execution asks for (with `SweepGraphs` for cuda_graphs)."""
+    batched = has_batched_step(prop)
+    if execution == "batched" and not batched:
+        raise ValueError(f"execution='batched' needs a propagator with step_batch; "
+                         f"{type(prop).__name__} has none")
+    if execution == "streams":
+        if cuda_graphs:
+            raise ValueError("cuda_graphs needs the loop or batched executor, not 'streams'")
+        return StreamExecutor()
+    executor: Executor = (LoopExecutor() if execution == "loop" or not batched
+                          else BatchedExecutor())
+    if cuda_graphs:
+        executor.graphs = SweepGraphs()
+    return executor

@@ -1,0 +1,113 @@
+"""The native kernels of a `Linear(d, d) -> Tanh` residual step and its adjoint."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import native
+
+# the most values per layer (rows of states times width) for which the native dense kernels
+# run: there a step is mostly call overhead, which one C call removes; for more (W2b's
+# batch of 32 at width 32) torch's matrix products are as fast or faster
+DENSE_NATIVE_MAX_VALUES = 256
+# the most values (layers times values per layer) of a batch of forward steps for which the
+# native kernel runs: its tanh is a scalar call per value, so past a few layers torch's
+# vectorised one and batched products win (float32, width 32, one row per layer, warm: 4
+# layers 7.4 against 17.8 us, 8 layers 11.0 against 19.1, 16 layers 18.2 against 21.8, 32
+# layers 32.6 against 27.0; with a limit of 16 layers a W2 training step on one rank,
+# whose coarse levels have batches of 16, was 2% slower, with 8 as fast as without)
+DENSE_NATIVE_MAX_BATCH = 256
+
+
+class NativeDense:
+    """The residual step u + dt tanh(u W^T + b) of a `Linear(d, d) -> Tanh` layer and its
+    adjoint on `mgrit.kernels.native`'s fused kernels (CPU, float32/float64): one C call per step
+    or batch of layers where torch takes four or five. `of` gives one where the kernels
+    apply; its calls return False, having done nothing, where an operand's layout does not
+    suit them (the caller then computes with torch)."""
+
+    def __init__(self, dtype: torch.dtype, width: int) -> None:
+        lib = native.library()
+        suffix = native.SUFFIX[dtype]
+        self._step = getattr(lib, f"mgrit_dense_tanh_{suffix}")
+        self._vjp = getattr(lib, f"mgrit_dense_tanh_vjp_{suffix}")
+        self._step_one = getattr(lib, f"mgrit_dense_tanh_one_{suffix}")
+        self._vjp_one = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
+        self.width = width
+
+    @staticmethod
+    def of(x: Tensor, values: int, width: int, cache: dict) -> "NativeDense | None":
+        """The kernels for states like x (cached in `cache` per dtype), or None: not CPU
+        float32/float64 states of at most DENSE_NATIVE_MAX_VALUES `values` each, kernels not
+        built here, or autograd recording (the kernels record no graph). Whether the native
+        kernels are allowed at all (`native_backend`) is the caller's to ask: reading the
+        environment costs a microsecond, a tenth of a step."""
+        if not x.is_cpu or values > DENSE_NATIVE_MAX_VALUES or torch.is_grad_enabled():
+            return None
+        found = cache.get(x.dtype)
+        if found is None:
+            found = cache[x.dtype] = (NativeDense(x.dtype, width)
+                                      if x.dtype in native.SUFFIX and native.available()
+                                      and width <= native.MAX_WIDTH else False)
+        return found or None
+
+    def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
+             g: Tensor | None = None, keep: Tensor | None = None) -> bool:
+        """out = g + u + dt tanh(u w^T + b) for one layer; `keep` gets the tanh."""
+        if not (w.dtype == u.dtype and u.is_contiguous() and out.is_contiguous()
+                and w.is_contiguous()
+                and b.is_contiguous() and (g is None or g.is_contiguous())
+                and (keep is None or keep.is_contiguous())):
+            return False
+        d = self.width
+        self._step_one(u.data_ptr(), w.data_ptr(), b.data_ptr(),
+                       None if g is None else g.data_ptr(), out.data_ptr(),
+                       None if keep is None else keep.data_ptr(), dt, u.numel() // d, d)
+        return True
+
+    def step_batch(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
+                   g: Tensor | None = None, keep: Tensor | None = None) -> bool:
+        """`step` for a batch of layers (entries of u, w, b, ... along the first dimension,
+        each contiguous, any spacing)."""
+        return w.dtype == u.dtype and self._batch(self._step, u, dt, (u, w, b, g, out, keep))
+
+    def vjp(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | None,
+            g: Tensor | None = None, x: Tensor | None = None, gw: Tensor | None = None,
+            gb: Tensor | None = None) -> bool:
+        """For a batch of layers: out = g + a + dt (a (1 - y^2)) w, with y the tanh that
+        the forward step kept; with x (its input states) gw and gb receive the parameter
+        cotangents s^T x and the sum of s's rows, s = a (1 - y^2), not scaled by dt. A
+        layer whose a is all zeros (NaN not zero) gets out = g (zero without g) and zero
+        cotangents; its y and x are not read."""
+        return w.dtype == a.dtype and self._batch(self._vjp, a, dt, (w, a, y, g, out, x, gw, gb))
+
+    def _batch(self, kernel: Callable[..., int], states: Tensor, dt: float, operands: tuple
+               ) -> bool:
+        """Call a batched kernel with each operand as (pointer, entry stride), None as (None,
+        0), then dt, the layer count, rows per layer and the width; False, having called
+        nothing, where an operand's entries are not contiguous."""
+        args: list = []
+        for t in operands:
+            stride = 0 if t is None else native.entry_stride(t)
+            if stride is None:
+                return False
+            args += (None, 0) if t is None else (t.data_ptr(), stride)
+        d = self.width
+        count = len(states)
+        kernel(*args, dt, count, states.numel() // (count * d) if count else 0, d)
+        return True
+
+    def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
+                   g: Tensor | None = None) -> bool:
+        """`vjp` for one layer, without parameter cotangents (a of zeros included)."""
+        if not (w.dtype == a.dtype and a.is_contiguous() and y.is_contiguous()
+                and out.is_contiguous()
+                and w.is_contiguous() and (g is None or g.is_contiguous())):
+            return False
+        d = self.width
+        self._vjp_one(w.data_ptr(), a.data_ptr(), y.data_ptr(),
+                      None if g is None else g.data_ptr(), out.data_ptr(), dt, a.numel() // d, d)
+        return True

@@ -1,0 +1,296 @@
+"""A rank's residual-network layers as stacked tensors.
+
+Every layer is the same module type (made by the user's factory); its parameters are kept
+as one tensor per parameter name with a leading layer dimension, so a batch of intervals
+can be advanced by one call over strided views of those tensors, and the layers of one
+rank are a handful of tensors for the optimiser.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from ..kernels.chain import Chain
+from ..kernels.choice import native_backend
+from ..kernels.dense import NativeDense
+
+_NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
+
+
+def _sanitize(name: str) -> str:
+    return name.replace(".", "__")
+
+
+def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
+                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """Call the factory once per layer, in layer order, keeping the layers in `keep`.
+
+    Every rank draws the same random numbers in the same order as a serial
+    `[factory() for _ in range(N)]`, so layer n starts from the same values whichever
+    rank owns it. Returns a template (layer 0) and the kept layers; checks that all
+    layers have the same parameters and no running statistics.
+    """
+    template = None
+    kept: dict[int, nn.Module] = {}
+    signature = None
+    for n in range(num_steps):
+        layer = factory()
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"the step factory must return an nn.Module, got {type(layer).__name__}")
+        for sub in layer.modules():
+            if isinstance(sub, _NORM_WITH_STATS) and sub.track_running_stats:
+                raise ValueError(
+                    f"the step module contains {type(sub).__name__} with running statistics: "
+                    "MGRIT evaluates every layer several times per forward pass, which would "
+                    "update them more than once; use track_running_stats=False, or a norm "
+                    "without state (LayerNorm, GroupNorm)")
+        sig = tuple((name, tuple(p.shape), p.dtype, p.requires_grad)
+                    for name, p in layer.named_parameters())
+        if signature is None:
+            signature = sig
+        elif sig != signature:
+            raise ValueError(f"layer {n} from the step factory differs from layer 0 in its "
+                             f"parameters (name, shape, dtype, requires_grad): {sig} vs {signature}")
+        if template is None:
+            template = copy.deepcopy(layer)
+        if n in keep:
+            kept[n] = layer
+    if template is None:
+        raise ValueError("num_steps must be >= 1")
+    return template, kept
+
+
+def is_dense_tanh(template: nn.Module) -> bool:
+    """Exactly Linear(d, d) with bias, then Tanh: the step that the CUDA kernels and the
+    native CPU dense kernels implement."""
+    return (isinstance(template, nn.Sequential) and len(template) == 2
+            and type(template[0]) is nn.Linear and template[0].bias is not None
+            and template[0].in_features == template[0].out_features
+            and type(template[1]) is nn.Tanh)
+
+
+def _use_cuda_kernels(stack: "LayerStack", states: Tensor) -> bool:
+    if not (stack.dense_tanh and states.is_cuda):
+        return False
+    from . import cuda
+
+    return cuda.available()
+
+
+class LayerStack(nn.Module):
+    """Layers first..last of a network (possibly none) with stacked parameters.
+
+    `ghosts` holds copies of other ranks' layers that this rank's coarse steps use; they
+    are refreshed by communication and never trained.
+    """
+
+    def __init__(self, template: nn.Module, layers: dict[int, nn.Module], first: int, last: int):
+        super().__init__()
+        self.first, self.last = first, last
+        self.names = [name for name, _ in template.named_parameters()]
+        self.buffer_names = [name for name, _ in template.named_buffers()]
+        self._param_keys = [(name, _sanitize(name)) for name in self.names]
+        self._buffer_keys = [(name, "buf__" + _sanitize(name)) for name in self.buffer_names]
+        self.params = nn.ParameterDict()
+        order = range(first, last + 1)
+        for name in self.names:
+            ref = dict(template.named_parameters())[name]
+            rows = [dict(layers[n].named_parameters())[name].detach() for n in order]
+            data = torch.stack(rows) if rows else ref.new_zeros((0, *ref.shape))
+            self.params[_sanitize(name)] = nn.Parameter(data.clone(),
+                                                        requires_grad=ref.requires_grad)
+        for name in self.buffer_names:
+            ref = dict(template.named_buffers())[name]
+            rows = [dict(layers[n].named_buffers())[name] for n in order]
+            data = torch.stack(rows) if rows else ref.new_zeros((0, *ref.shape))
+            self.register_buffer("buf__" + _sanitize(name), data.clone())
+        self.ghosts: dict[int, dict[str, Tensor]] = {}
+        # The module structure that functional calls fill with a layer's tensors; kept out
+        # of the registered submodules so its own weights are neither trained nor saved.
+        template.requires_grad_(False)
+        object.__setattr__(self, "template", template)
+        self._modules_by_layer: dict[int, nn.Module] = {}
+        self._views: dict[int, dict[str, Tensor]] = {}
+        self._rows: dict[tuple[int, int, int], Any] = {}
+        self._detached_tensors: dict[str, Tensor] | None = None
+        self._detached_key: tuple[int, ...] = ()
+        self.chain = Chain.of(template)
+        self.dense_tanh = is_dense_tanh(template)
+        # the layer width, read once: indexing the template (a Sequential) on every step
+        # would cost as much as the native step itself
+        self._dense_width = template[0].in_features if self.dense_tanh else 0
+        self._native_dense: dict = {}     # dtype -> NativeDense, or False where it cannot run
+        self.refresh_native()
+
+    def refresh_native(self) -> None:
+        """Read whether native kernels may run (MGRIT_NATIVE, deterministic algorithms):
+        once per solve, not per step."""
+        self._native_allowed = native_backend() != "torch"
+
+    def native_dense(self, x: Tensor, values: int) -> NativeDense | None:
+        """The native dense tanh kernels for states like x of `values` values per layer,
+        or None (not a dense tanh layer, native kernels not allowed when the solve began;
+        see NativeDense.of)."""
+        if not (self.dense_tanh and self._native_allowed):
+            return None
+        return NativeDense.of(x, values, self._dense_width, self._native_dense)
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first + 1 if self.last >= self.first else 0
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Name -> stacked tensor (parameters and buffers), in the template's names."""
+        params, buffers = self.params._parameters, self._buffers
+        out = {name: params[key] for name, key in self._param_keys}
+        for name, key in self._buffer_keys:
+            out[name] = buffers[key]
+        return out
+
+    def layer_tensors(self, layer: int) -> dict[str, Tensor]:
+        if self.first <= layer <= self.last:
+            return {k: v[layer - self.first] for k, v in self.tensors().items()}
+        if layer in self.ghosts:
+            return self.ghosts[layer]
+        raise KeyError(f"layer {layer} is neither owned ({self.first}..{self.last}) nor a "
+                       "ghost on this rank")
+
+    def rows(self, start: int, stride: int, count: int) -> dict[str, Tensor]:
+        """Detached stacked tensors of layers start, start+stride, ... (cached views when
+        all are owned and ascending, a gathered copy otherwise). Relaxation asks for the
+        same few batches again and again; in-place updates by the optimizer show through
+        the cached views, and `_apply` drops them."""
+        end = start + stride * (count - 1)
+        if self.first <= min(start, end) and max(start, end) <= self.last:
+            key = (start, stride, count)
+            tensors = self._detached()
+            cached = self._rows.get(key)
+            if stride > 0:
+                if cached is None:
+                    lo = start - self.first
+                    cached = {k: v[lo: lo + stride * (count - 1) + 1: stride]
+                              for k, v in tensors.items()}
+                    self._rows[key] = cached
+                return cached
+            # descending: a gathered copy, kept until a tensor changes (its version moves)
+            versions = tuple(v._version for v in tensors.values())
+            if cached is None or cached[1] != versions:
+                lo = start - self.first
+                device = next(iter(tensors.values())).device
+                index = torch.arange(lo, lo + stride * count, stride, device=device)
+                cached = ({k: v.index_select(0, index) for k, v in tensors.items()}, versions)
+                self._rows[key] = cached
+            return cached[0]
+        layers = [start + i * stride for i in range(count)]
+        per_layer = [self.views(n) for n in layers]
+        return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
+
+    def _detached(self) -> dict[str, Tensor]:
+        """The stacked tensors, detached; cached until a tensor gets new storage (`.data =`
+        or a conversion), which also drops the cached views."""
+        # what rows() checks on every call, so kept cheap: plain dict reads, no __getattr__
+        key = tuple(map(Tensor.data_ptr, self._modules["params"]._parameters.values()))
+        if self._buffer_keys:
+            key += tuple(map(Tensor.data_ptr, self._buffers.values()))
+        if self._detached_tensors is None or self._detached_key != key:
+            tensors = self.tensors()
+            self._rows.clear()
+            self._views.clear()
+            self._modules_by_layer.clear()
+            self._detached_tensors = {k: v.detach() for k, v in tensors.items()}
+            self._detached_key = key
+        return self._detached_tensors
+
+    def storage_key(self) -> tuple[int, ...]:
+        """Where the stacked tensors and the ghost layers live: changes when any of them is
+        given new storage (a CUDA graph of steps that read them is then stale)."""
+        self._detached()
+        return self._detached_key + tuple(t.data_ptr() for ghost in self.ghosts.values()
+                                          for t in ghost.values())
+
+    def set_ghost(self, layer: int, flat: Tensor) -> None:
+        """Unpack a layer sent by its owner (see `flatten_layer`), in place if known."""
+        shapes = {k: v.shape[1:] for k, v in self.tensors().items()}
+        out, offset = {}, 0
+        for k, shape in shapes.items():
+            size = int(torch.Size(shape).numel())
+            out[k] = flat[offset: offset + size].view(shape)
+            offset += size
+        if layer in self.ghosts:
+            for k, value in out.items():
+                self.ghosts[layer][k].copy_(value)
+        else:
+            self.ghosts[layer] = {k: v.clone() for k, v in out.items()}
+
+    def _apply(self, fn, recurse=True):
+        """Conversions (.to, .double, ...) give the tensors new storage: drop cached views
+        and ghost layers (the next forward pass receives them again)."""
+        self._modules_by_layer.clear()
+        self._views.clear()
+        self._rows.clear()
+        self._detached_tensors = None
+        self.ghosts.clear()
+        return super()._apply(fn, recurse)
+
+    def views(self, layer: int) -> dict[str, Tensor]:
+        """Layer `layer`'s tensors, detached views cached per layer (in-place updates by the
+        optimizer show through; `_apply` and `set_ghost` keep them current)."""
+        if layer not in self._views:
+            self._views[layer] = {k: v.detach() for k, v in self.layer_tensors(layer).items()}
+        return self._views[layer]
+
+    def module(self, layer: int) -> nn.Module:
+        """Layer `layer` as a plain module whose weights are (detached) views of the stacked
+        tensors: a direct call, much cheaper than a functional call for single steps."""
+        if layer not in self._modules_by_layer:
+            mod = copy.deepcopy(self.template)
+            for name, value in self.views(layer).items():
+                path, _, attr = name.rpartition(".")
+                sub = mod.get_submodule(path)
+                sub._parameters.pop(attr, None)
+                sub._buffers.pop(attr, None)
+                setattr(sub, attr, value)
+            self._modules_by_layer[layer] = mod
+        return self._modules_by_layer[layer]
+
+    def placeholder(self) -> dict[str, Tensor]:
+        """Zero tensors of one layer's shapes and dtypes (for checking what f returns)."""
+        return {k: v.new_zeros(v.shape[1:]) for k, v in self.tensors().items()}
+
+    def flatten_layer(self, layer: int) -> Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in self.layer_tensors(layer).values()])
+
+    def flat_size(self) -> int:
+        return sum(int(torch.Size(v.shape[1:]).numel()) for v in self.tensors().values())
+
+    # evaluation ----------------------------------------------------------------
+    def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
+        return functional_call(self.template, tensors, (u,))
+
+    def f_batch(self, tensors: dict[str, Tensor], states: Tensor) -> Tensor:
+        if self.chain is not None:
+            return self.chain.forward(tensors, states)
+        return vmap(self.f)(tensors, states)
+
+    def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
+                  want_input: bool = True, want_params: bool = False,
+                  values: list | None = None
+                  ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
+        """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
+        batch, from one forward pass per layer (none for a chain given `values`, its ops'
+        outputs at `states` as `Chain.gather_values` returns them)."""
+        if self.chain is not None:
+            return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
+        params = {k: v for k, v in tensors.items() if k in self.names}
+        buffers = {k: v for k, v in tensors.items() if k not in self.names}
+
+        def one(p, b, u, w):
+            dp, du = vjp(lambda q, x: self.f({**q, **b}, x), p, u)[1](w)
+            return du, dp
+        du, dp = vmap(one)(params, buffers, states, cotangents)
+        return (du if want_input else None), (dp if want_params else None)
