@@ -422,3 +422,20 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
         ref = ws[1] + batch.dt * torch.autograd.grad(model.layers.module(p)(u), u, ws[1])[0]
     assert torch.allclose(out[1], ref, rtol=1e-12, atol=1e-14)
     assert not out[0].any() and not out[2].any()
+
+
+def test_default_solver_settings_are_those_of_training():
+    """LayerParallel's defaults come from mgrit.nn.defaults: 3 levels, coarsening 4, F on
+    the fine level and FCF below, 2 forward and 1 backward cycle, coarsening to one step."""
+    from mgrit.nn.defaults import training_config
+
+    model = mgrit.LayerParallel(lambda: torch.nn.Linear(2, 2), 16)
+    for direction, cycles in (("forward", 2), ("backward", 1)):
+        expected = mgrit.Config(levels=3, coarsening=4, relax=("F", "FCF"), tol=0.0,
+                                max_iter=cycles, min_coarse=1)
+        assert training_config(direction) == expected
+        assert getattr(model, f"{direction}_config") == expected
+    assert training_config("forward", levels=4).relax == ("F", "FCF", "FCF")
+    assert training_config("forward", levels=1).levels == 1
+    with pytest.raises(ValueError, match="direction='sideways' is not valid"):
+        training_config("sideways")

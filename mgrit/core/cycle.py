@@ -327,6 +327,26 @@ class Solver:
         fine = self.levels[0]
         return fine.u, fine.first - 1
 
+    @property
+    def has_solved(self) -> bool:
+        """Whether a solve has left states that `initial_guess="warm"` starts from."""
+        return self._has_solved
+
+    def warm_states(self) -> Tensor | None:
+        """A copy of what the next warm-started solve starts from (the rank's level-0 rows,
+        as `fine_states` lays them out), or None before the first solve: what a checkpoint
+        keeps so that a resumed run continues exactly."""
+        return self.levels[0].u.clone() if self._has_solved else None
+
+    def set_warm_states(self, rows: Tensor) -> None:
+        """Start the next warm-started solve from `rows` (what `warm_states` returned)."""
+        fine = self.levels[0].u
+        if rows.shape != fine.shape or rows.dtype != fine.dtype:
+            raise ValueError(f"warm states of shape {tuple(rows.shape)}, {rows.dtype} do not "
+                             f"fit this solver's {tuple(fine.shape)}, {fine.dtype}")
+        fine.copy_(rows)
+        self._has_solved = True
+
     def _drain(self) -> None:
         for level in self.levels:
             level.drain()

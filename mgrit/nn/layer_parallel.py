@@ -17,6 +17,7 @@ from ..core.config import Config
 from ..core.cycle import Solver
 from ..core.grid import (adjoint_blocks, build_hierarchy, coarse_layer_needs, layer_ranges,
                          level0_blocks)
+from .defaults import training_config
 from .propagators import AdjointPropagator, NetworkPropagator
 from .serial import ResidualStep
 from .stack import LayerStack, build_layers
@@ -25,12 +26,6 @@ CHECKPOINT_FORMAT = 1
 # up to this many parameter values on a rank, the recorded gradients are gathered in one
 # scatter per tensor; above, batch by batch (fewer passes over large data)
 _GATHERED_GRADIENTS = 1 << 16
-
-
-def _default(kind: str) -> Config:
-    cycles = 2 if kind == "forward" else 1
-    return Config(levels=3, coarsening=4, relax=("F", "FCF"), tol=0.0, max_iter=cycles,
-                  min_coarse=1)
 
 
 class _ODESolve(torch.autograd.Function):
@@ -95,8 +90,9 @@ class LayerParallel(nn.Module):
         self.num_steps = num_steps
         self.t_final = float(t_final)
         self.h = self.t_final / num_steps
-        self.forward_config = forward if forward is not None else _default("forward")
-        self.backward_config = backward if backward is not None else _default("backward")
+        self.forward_config = forward if forward is not None else training_config("forward")
+        self.backward_config = (backward if backward is not None
+                                else training_config("backward"))
         self.inference_config = (inference if inference is not None else
                                  replace(self.forward_config, levels=1, tol=0.0, max_iter=1,
                                          initial_guess="zero"))
@@ -366,8 +362,8 @@ class LayerParallel(nn.Module):
         for kind, solvers in (("forward", self._solvers), ("backward", self._adjoint_solvers)):
             cfg = self.forward_config if kind == "forward" else self.backward_config
             if cfg.initial_guess == "warm":
-                warm[kind] = {key[:2]: s.fine_states()[0].clone() for key, s in solvers.items()
-                              if s._has_solved and (kind == "backward" or key[3])}
+                warm[kind] = {key[:2]: s.warm_states() for key, s in solvers.items()
+                              if s.has_solved and (kind == "backward" or key[3])}
         state = {"format": CHECKPOINT_FORMAT, "layout": self._layout(),
                  "model": self.state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -402,8 +398,7 @@ class LayerParallel(nn.Module):
                 like = torch.zeros(shape, dtype=dtype, device=self._device())
                 solver = (self._solver(like, keep=True) if kind == "forward"
                           else self._adjoint_solver(like))
-                solver.fine_states()[0].copy_(rows)
-                solver._has_solved = True
+                solver.set_warm_states(rows)
         return state["extra"]
 
     def extra_repr(self) -> str:
