@@ -114,6 +114,71 @@ def test_not_a_propagator():
         mgrit.solve(object(), U0, 8, 0.0, 1.0)
 
 
+class _StepOnly:
+    """A propagator with `step` alone, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def step(self, u, s):
+        self.calls += 1
+        return u * 0.5
+
+
+@pytest.mark.parametrize("name,meant", [
+    ("step_bacth", "step_batch"), ("stepbatch", "step_batch"),
+    ("step_batchinto", "step_batch_into"), ("step_int", "step_into"),
+    ("graph_keys", "graph_key")])
+def test_a_misspelt_optional_method_is_named_before_any_work(name, meant):
+    prop = type("Prop", (_StepOnly,), {name: lambda self, *args: None})()
+    with pytest.raises(TypeError, match=rf"Prop\.{name} looks like a misspelt {meant}\b"):
+        mgrit.solve(prop, U0, 8, 0.0, 1.0)
+    assert prop.calls == 0
+    # with the method it was meant to be there as well, the other name is the user's own
+    both = type("Both", (_StepOnly,), {name: lambda self: None,
+                                       meant: lambda self, *args: None})()
+    mgrit.Solver(both, U0, 8, 0.0, 1.0)
+
+
+def test_methods_far_from_the_optional_names_are_left_alone():
+    class Helpers(Dahlquist):
+        def steps_taken(self):
+            return 0
+
+        def stepper(self):
+            return None
+
+    res = mgrit.solve(Helpers(), U0, 64, 0.0, 1.0, mgrit.Config(levels=2, tol=1e-12))
+    assert res.converged
+
+
+@pytest.mark.parametrize("attrs,words", [
+    (dict(step_batch=3), "Prop.step_batch is int, not a method"),
+    (dict(step_into=lambda self, u, s: None),
+     r"Prop.step_into\(u, s\) cannot be called as step_into\(u, s, out, g\)"),
+    (dict(graph_key=lambda self, extra: None),
+     r"Prop.graph_key\(extra\) cannot be called as graph_key\(\)"),
+])
+def test_optional_methods_are_checked_once_when_the_solver_is_built(attrs, words):
+    prop = type("Prop", (CountingDahlquist,), attrs)()
+    with pytest.raises(TypeError, match=words):
+        mgrit.Solver(prop, U0, 8, 0.0, 1.0)
+    assert prop.calls == 0
+
+
+def test_capabilities_are_found_once_and_name_the_protocols():
+    from mgrit.core.propagator import (BatchedPropagator, Capabilities, InPlacePropagator,
+                                       Propagator)
+
+    prop = Dahlquist()
+    caps = Capabilities.of(prop)
+    assert caps.step == prop.step and caps.step_batch == prop.step_batch
+    assert caps.step_into == prop.step_into
+    assert caps.step_batch_into is None and caps.graph_key is None
+    assert isinstance(prop, Propagator) and isinstance(prop, BatchedPropagator)
+    assert isinstance(prop, InPlacePropagator)
+
+
 def test_step_that_changes_dtype_is_named():
     class Widening:
         def step(self, u, s):

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 import mgrit
-from mgrit.execute import SweepGraphs, graphs
+from mgrit.core.propagator import Capabilities
+from mgrit.execute import SweepGraphs
+from mgrit.execute import graphs as graph_module
 
 from nets import build, data
 
@@ -15,8 +17,18 @@ class _Prop:
     def __init__(self):
         self.key = (1,)
 
+    def step(self, u, s):
+        return u
+
     def graph_key(self):
         return self.key
+
+
+class _Eager:
+    """A propagator without graph_key."""
+
+    def step(self, u, s):
+        return u
 
 
 class _StandIn:
@@ -47,34 +59,36 @@ class _Capture:
 def test_a_sweep_runs_eagerly_then_is_captured_once_and_replayed(monkeypatch):
     monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
     log = []
-    graphs = SweepGraphs(_Capture(log))
     prop, like = _Prop(), torch.zeros(1)
+    graphs = SweepGraphs(Capabilities.of(prop), _Capture(log))
     calls = []
     sweep = lambda: calls.append(1)  # noqa: E731
     for _ in range(4):
-        graphs.run("a", like, prop, sweep)
+        graphs.run("a", like, sweep)
     assert (len(calls), log, graphs.captured, graphs.replayed) == (
         4, ["warm-up", "capture"], 1, 3)
     prop.key = (2,)                  # the parameters moved: warm up and capture again
     for _ in range(2):
-        graphs.run("a", like, prop, sweep)
+        graphs.run("a", like, sweep)
     assert (len(calls), log, graphs.captured, graphs.replayed) == (
         6, ["warm-up", "capture"] * 2, 2, 4)
     prop.key = None                  # the propagator asks for eager steps
-    graphs.run("a", like, prop, sweep)
+    graphs.run("a", like, sweep)
     assert (len(calls), graphs.captured, graphs.replayed) == (7, 2, 4)
-    graphs.run("b", like, prop := _Prop(), sweep)   # another sweep has its own count
+    prop.key = (3,)
+    graphs.run("b", like, sweep)     # another sweep has its own count: a warm-up
     assert (len(calls), graphs.captured) == (8, 2)
 
 
 def test_states_off_cuda_and_propagators_without_a_key_run_eagerly():
     log = []
-    graphs = SweepGraphs(_Capture(log))
     calls = []
-    for prop in (_Prop(), object()):
+    for prop in (_Prop(), _Eager()):
+        graphs = SweepGraphs(Capabilities.of(prop), _Capture(log))
         for _ in range(3):
-            graphs.run("a", torch.zeros(1), prop, lambda: calls.append(1))
-    assert (len(calls), log, graphs.captured, graphs.replayed) == (6, [], 0, 0)
+            graphs.run("a", torch.zeros(1), lambda: calls.append(1))
+        assert (graphs.captured, graphs.replayed) == (0, 0)
+    assert (len(calls), log) == (6, [])
 
 
 def test_config_refuses_graphs_with_streams_and_non_booleans():
@@ -113,13 +127,14 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
     keeping = []
     original = SweepGraphs.run
 
-    def run(self, key, like, prop, sweep):
+    def run(self, key, like, sweep):
+        prop = self.caps.step.__self__
         keeping.append((type(prop).__name__, getattr(prop, "_keeping", False)))
         if keeping[-1][1]:
             assert prop.graph_key() is None
-        return original(self, key, like, prop, sweep)
+        return original(self, key, like, sweep)
     monkeypatch.setattr(SweepGraphs, "run", run)
-    monkeypatch.setattr(graphs, "CudaCapture", lambda: _Capture(log))
+    monkeypatch.setattr(graph_module, "CudaCapture", lambda: _Capture(log))
     model, with_graphs = _train(True)
     _, without = _train(False)
     assert all(torch.equal(a, b) for a, b in zip(with_graphs, without))
@@ -138,7 +153,7 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
 
 def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
-    monkeypatch.setattr(graphs, "CudaCapture", lambda: _Capture([]))
+    monkeypatch.setattr(graph_module, "CudaCapture", lambda: _Capture([]))
     model, _ = _train(True, steps=2)
     solver = next(iter(model._solvers.values()))
     before = solver.executor.graphs.captured

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mgrit
-from mgrit.core.propagator import StepBatch
+from mgrit.core.propagator import Capabilities, StepBatch
 from mgrit.execute import make_executor
 from mgrit.problems import Dahlquist, DenseResNet
 
@@ -150,7 +150,7 @@ def test_a_batch_of_one_interval_takes_the_single_step_path():
             calls.append(("single", s.index))
             out.copy_(net.step(u, s) if g is None else g + net.step(u, s))
 
-    prop, executor = Counting(), make_executor("batched", Counting())
+    executor = make_executor("batched", Capabilities.of(Counting()))
     states = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(5),
                          dtype=torch.float64)
     g = torch.randn_like(states)
@@ -160,9 +160,9 @@ def test_a_batch_of_one_interval_takes_the_single_step_path():
         expected = torch.stack([net.step(states[i], s) for i, s in enumerate(steps)])
         calls.clear()
         out = torch.empty_like(states[:count])
-        executor.advance_into(prop, states[:count], steps, out, g[:count])
+        executor.advance_into(states[:count], steps, out, g[:count])
         assert torch.allclose(out, g[:count] + expected, rtol=1e-14, atol=1e-15)
-        assert torch.allclose(executor.advance(prop, states[:count], steps), expected,
+        assert torch.allclose(executor.advance(states[:count], steps), expected,
                               rtol=1e-14, atol=1e-15)
         assert calls == ([("single", 1)] * 2 if count == 1 else [("batch", 3)] * 2)
 

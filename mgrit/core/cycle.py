@@ -6,7 +6,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from ..execute import make_executor
 from .config import Config
 from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
-from .propagator import Propagator
+from .propagator import Capabilities, Propagator
 from .relax import c_relax, f_relax, propagate_to_c_points, sweep
 
 
@@ -35,7 +35,8 @@ class DivergenceError(RuntimeError):
 class Result:
     """Outcome of one MGRIT solve.
 
-    residuals:  residual norm after each cycle (DESIGN.md section 2)
+    residuals:  residual norm after each cycle (the convention of docs/design.md,
+                section 2)
     iterations: cycles done
     converged:  whether the tolerance was met within max_iter cycles
     final:      the state at t1, on every rank
@@ -82,12 +83,17 @@ class Solver:
     """MGRIT for one propagator, state shape and time grid; reusable across solves.
 
     Level storage is allocated once here and reused by every `solve`, whose
-    returned `states` are views into it (valid until the next solve).
+    returned `states` are views into it (valid until the next solve). `blocks` gives each
+    rank's level-0 points (default: an even split). `final_sweep`, if given, is called with
+    True before the last level-0 relaxation of every cycle and with False after that cycle's
+    residual: the steps in between are one per fine step, taken from final values (the
+    network layer keeps the forward pass's outputs and records parameter gradients there).
     """
 
     def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
                  config: Config | None = None, comm: Comm | Any = None,
-                 blocks: list[tuple[int, int]] | None = None) -> None:
+                 blocks: list[tuple[int, int]] | None = None,
+                 final_sweep: Callable[[bool], None] | None = None) -> None:
         config = Config() if config is None else config
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mgrit.Config, got {type(config).__name__}")
@@ -99,17 +105,21 @@ class Solver:
         t1 = _check_number("t1", t1)
         if t1 == t0:
             raise ValueError(f"t1 must differ from t0, both are {t0}")
-        if not callable(getattr(prop, "step", None)):
-            raise TypeError(f"the propagator {type(prop).__name__} has no step(u, s) method")
+        caps = Capabilities.of(prop)
+        if final_sweep is not None and not callable(final_sweep):
+            raise TypeError(f"final_sweep must be callable, got {type(final_sweep).__name__}")
         if not isinstance(like, Tensor):
             raise TypeError(f"u0 must be a torch.Tensor, got {type(like).__name__}")
         self.prop = prop
+        self.caps = caps
+        self._final_sweep_hook = final_sweep
         self.config = config
         self.num_steps = num_steps
         self.t0, self.t1 = t0, t1
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         _warn_below_round_off(config, like.dtype)
-        self.executor = make_executor(config.execution, prop, config.cuda_graphs)
+        self.executor = make_executor(config.execution, caps, config.cuda_graphs,
+                                      type(prop).__name__)
         self.comm = as_comm(comm)
         if isinstance(config.initial_guess, Tensor):
             self._check_guess(config.initial_guess)
@@ -155,7 +165,7 @@ class Solver:
         fine = self.levels[0]
         if fine.empty or fine.last == 0:   # no point, or point 0 alone: this rank takes no step
             return
-        out = self.prop.step(u0, fine.step(max(fine.first - 1, 0)))
+        out = self.caps.step(u0, fine.step(max(fine.first - 1, 0)))
         if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
             got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
                    else type(out).__name__)
@@ -210,7 +220,7 @@ class Solver:
             if j0 == coarse.first:
                 coarse.wait_v_ghost()
             prev = coarse.v[coarse.rows(j0 - 1, 1, count)]
-            phi_coarse = self.executor.advance(self.prop, prev, coarse.batch(j0 - 1, 1, count))
+            phi_coarse = self.executor.advance(prev, coarse.batch(j0 - 1, 1, count))
             crows = coarse.rows(j0, 1, count)
             coarse.g[crows] = (residual + coarse.v[crows]) - phi_coarse
         coarse.wait_v_ghost()
@@ -231,11 +241,10 @@ class Solver:
                 fine.u[rows] = coarse.u[1:]
         fine.changed(c_phase=True)
 
-    def _fine_sweep(self, active: bool) -> None:
-        """Tell a propagator that wants to know (`fine_sweep(active)`) when the final sweep of
-        level 0 begins and, after the residual, ends: the steps in between see final values,
-        one step per fine step."""
-        hook = getattr(self.prop, "fine_sweep", None)
+    def _final_sweep(self, active: bool) -> None:
+        """Call the `final_sweep` hook, if any: the final sweep of level 0 begins (True) or,
+        after the residual, ends (False)."""
+        hook = self._final_sweep_hook
         if hook is not None:
             hook(active)
 
@@ -243,26 +252,26 @@ class Solver:
         level = self.levels[l]
         if level.grid.is_coarsest:
             if l == 0:
-                self._fine_sweep(True)
-            sweep(level, self.prop, self.executor)
+                self._final_sweep(True)
+            sweep(level, self.executor)
             return
         if first_f:
-            f_relax(level, self.prop, self.executor)
+            f_relax(level, self.executor)
         for _ in range(self.config.cf_sweeps_at(l)):
-            c_relax(level, self.prop, self.executor, self.config.c_weight)
-            f_relax(level, self.prop, self.executor)
+            c_relax(level, self.executor, self.config.c_weight)
+            f_relax(level, self.executor)
         self._restrict(l)
         self._cycle(l + 1, kind, True)
         self._update_c_points(l, correct=True)
         if l == 0:
-            self._fine_sweep(True)
-        f_relax(level, self.prop, self.executor)
+            self._final_sweep(True)
+        f_relax(level, self.executor)
         if l > 0 and kind == "F":
             self._cycle(l, "V", False)
 
     def _nested(self) -> None:
         """Solve the coarsest level, then inject level by level with one V-cycle each."""
-        sweep(self.levels[-1], self.prop, self.executor)
+        sweep(self.levels[-1], self.executor)
         for l in range(len(self.levels) - 2, -1, -1):
             self._update_c_points(l, correct=False)
             if l > 0:
@@ -272,11 +281,11 @@ class Solver:
         """Phi(u_{c-1}) at the rank's C-points of level 0, reused while u is unchanged: with
         F-relaxation the residual after a cycle and the next restriction need the same values."""
         if level.index > 0:
-            return propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+            return propagate_to_c_points(level, self.executor, first_c, count)
         cached = self._phi_cache
         if cached is not None and cached[0] == level.version:
             return cached[1]
-        phi = propagate_to_c_points(level, self.prop, self.executor, first_c, count)
+        phi = propagate_to_c_points(level, self.executor, first_c, count)
         self._phi_cache = (level.version, phi)
         return phi
 
@@ -379,7 +388,7 @@ class Solver:
         converged = False
         for iteration in range(cfg.max_iter):
             if iteration == 0 and len(self.levels) > 1:
-                f_relax(self.levels[0], self.prop, self.executor)
+                f_relax(self.levels[0], self.executor)
             if iteration == 0 and cfg.tol_kind == "relative":
                 if deferred:
                     parts.append(self._local_residual())
@@ -388,10 +397,10 @@ class Solver:
             self._cycle(0, cfg.cycle, first_f=False)
             if deferred:
                 parts.append(self._local_residual())
-                self._fine_sweep(False)
+                self._final_sweep(False)
                 continue
             r = self._residual()
-            self._fine_sweep(False)
+            self._final_sweep(False)
             residuals.append(r)
             self._check_divergence(residuals)
             threshold = cfg.tol * initial if cfg.tol_kind == "relative" else cfg.tol

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Protocol, runtime_checkable
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -77,27 +80,112 @@ def make_step(level: int, index: int, level_stride: int, t0: float, h: float) ->
 
 @runtime_checkable
 class Propagator(Protocol):
-    """A one-step time integrator Phi: `step(u, s)` returns the state after step `s`.
-
-    It may also define `step_batch(U, steps)`, advancing the states U[i]
-    (stacked along dimension 0) by `steps[i]` in one call; MGRIT uses it to
-    relax all intervals of a level at once. Both must return new tensors of
-    the input's shape and dtype. An optional `fine_sweep(active)` is called
-    with True before the last level-0 relaxation of every cycle and with False
-    after that cycle's residual: the steps in between are one per fine step,
-    taken from final values (the adjoint uses them for parameter gradients).
-    An optional `step_into(u, s, out, g)` writes g + Phi(u) (g None: Phi(u)) into
-    `out`; the sequential march uses it to save a temporary and a copy per step, and
-    batched relaxation for a batch of one interval. An optional `graph_key()` lets
-    Config.cuda_graphs capture its steps (see `mgrit.execute.SweepGraphs`): a hashable that
-    changes when memory the steps read moves, or None while they must run eagerly.
-    """
+    """A one-step time integrator Phi: `step(u, s)` returns the state after step `s`, a new
+    tensor of u's shape and dtype. That is all MGRIT needs; the protocols below are optional
+    capabilities that make it faster, each found (and checked) once when a solver is built
+    (`Capabilities.of`)."""
 
     def step(self, u: Tensor, s: Step) -> Tensor: ...
 
 
-def has_batched_step(prop: object) -> bool:
-    return callable(getattr(prop, "step_batch", None))
+@runtime_checkable
+class BatchedPropagator(Protocol):
+    """`step_batch(U, steps)` advances the states U[i] (stacked along dimension 0) by
+    `steps[i]` in one call and returns them stacked: relaxation advances all intervals of a
+    level at once with it (`Config.execution` "auto" or "batched")."""
+
+    def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor: ...
+
+
+@runtime_checkable
+class InPlacePropagator(Protocol):
+    """`step_into(u, s, out, g)` writes g + Phi(u) (g None: Phi(u)) into `out`: the
+    sequential march and a batch of one interval take it, saving a temporary and a copy per
+    step. It must round as `g + step(u, s)` does, so that every path gives the same bits."""
+
+    def step_into(self, u: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None: ...
+
+
+@runtime_checkable
+class BatchedInPlacePropagator(Protocol):
+    """`step_batch_into(U, steps, out, g)`: `step_into` for a batch, what F-relaxation's
+    sub-steps take in place of `step_batch` and a copy."""
+
+    def step_batch_into(self, states: Tensor, steps: StepBatch, out: Tensor,
+                        g: Tensor | None) -> None: ...
+
+
+@runtime_checkable
+class CapturablePropagator(Protocol):
+    """`graph_key()` lets `Config.cuda_graphs` capture the propagator's steps in CUDA graphs
+    (see `mgrit.execute.SweepGraphs`): a hashable that changes when memory the steps read
+    moves, or None while they must run eagerly."""
+
+    def graph_key(self) -> Hashable | None: ...
+
+
+# optional method -> its argument names (for the check of a method's signature)
+OPTIONAL: dict[str, tuple[str, ...]] = {
+    "step_batch": ("states", "steps"),
+    "step_into": ("u", "s", "out", "g"),
+    "step_batch_into": ("states", "steps", "out", "g"),
+    "graph_key": (),
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A propagator's step and its optional capabilities as bound methods (None where it has
+    none), found once when a solver is built so that no step asks again."""
+
+    step: Callable[[Tensor, Step], Tensor]
+    step_batch: Callable[[Tensor, StepBatch], Tensor] | None = None
+    step_into: Callable[[Tensor, Step, Tensor, Tensor | None], None] | None = None
+    step_batch_into: Callable[[Tensor, StepBatch, Tensor, Tensor | None], None] | None = None
+    graph_key: Callable[[], Hashable | None] | None = None
+
+    @classmethod
+    def of(cls, prop: object) -> "Capabilities":
+        """The capabilities of `prop`, checked: `step` must be there; an optional method must
+        be callable with its arguments; a public method whose name is a near miss of an
+        optional one (`step_bacth`) is an error, since it would silently never be called."""
+        name = type(prop).__name__
+        if not callable(getattr(prop, "step", None)):
+            raise TypeError(f"the propagator {name} has no step(u, s) method")
+        found = {}
+        for method, arguments in OPTIONAL.items():
+            fn = getattr(prop, method, None)
+            if fn is None:
+                continue
+            if not callable(fn):
+                raise TypeError(f"{name}.{method} is {type(fn).__name__}, not a method; "
+                                f"define {method}({', '.join(arguments)}) or leave it out")
+            _check_arguments(name, method, fn, arguments)
+            found[method] = fn
+        known = {"step", *OPTIONAL}
+        for attr in dir(prop):
+            if attr.startswith("_") or attr in known:
+                continue
+            near = difflib.get_close_matches(attr, OPTIONAL, n=1, cutoff=0.85)
+            if near and near[0] not in found and callable(getattr(prop, attr, None)):
+                raise TypeError(
+                    f"{name}.{attr} looks like a misspelt {near[0]}, one of the optional "
+                    f"propagator methods ({', '.join(OPTIONAL)}): as written MGRIT never "
+                    f"calls it; rename it to {near[0]} (or give it a name that is not "
+                    "close to one of those)")
+        return cls(step=prop.step, **found)
+
+
+def _check_arguments(name: str, method: str, fn: Callable, arguments: tuple[str, ...]) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):     # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        raise TypeError(f"{name}.{method}{signature} cannot be called as "
+                        f"{method}({', '.join(arguments)})") from None
 
 
 def step_sequentially(prop: Propagator, u0: Tensor, num_steps: int, t0: float,

@@ -21,34 +21,33 @@ from torch import Tensor
 
 from ..execute import Executor
 from .level import Level
-from .propagator import Propagator
+from .propagator import Capabilities
 
 
-def _sweep(executor: Executor | None, level: Level, name: str, prop: Propagator,
-           work: Callable[[], None]) -> None:
+def _sweep(executor: Executor, level: Level, name: str, work: Callable[[], None]) -> None:
     """Run `work`, tensor work of one sweep of `level`, through the executor's CUDA graphs
     where it has them."""
-    graphs = getattr(executor, "graphs", None)
+    graphs = executor.graphs
     if graphs is None:
         work()
     else:
-        graphs.run((level.index, name), level.u, prop, work)
+        graphs.run((level.index, name), level.u, work)
 
 
-def march(level: Level, prop: Propagator, j_from: int, j_to: int) -> None:
+def march(level: Level, caps: Capabilities, j_from: int, j_to: int) -> None:
     """Sequentially set u_j = g_j + Phi(u_{j-1}) for j = j_from..j_to."""
     u, g = level.row_views()
-    into = getattr(prop, "step_into", None)
+    into = caps.step_into
     for j in range(j_from, j_to + 1):
         row = j - level.offset
         if into is not None:
             into(u[row - 1], level.step(j - 1), u[row], None if g is None else g[row])
             continue
-        out = prop.step(u[row - 1], level.step(j - 1))
+        out = caps.step(u[row - 1], level.step(j - 1))
         u[row].copy_(out if g is None else g[row] + out)
 
 
-def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
+def f_relax(level: Level, executor: Executor) -> None:
     """Propagate every coarse interval from its C-point through its F-points."""
     if level.empty:
         return
@@ -64,49 +63,49 @@ def f_relax(level: Level, prop: Propagator, executor: Executor) -> None:
             count = (level.last - k - first_c) // m + 1
             src = u[level.rows(first_c + k - 1, m, count)]
             dst = level.rows(first_c + k, m, count)
-            executor.advance_into(prop, src, level.batch(first_c + k - 1, m, count), u[dst],
+            executor.advance_into(src, level.batch(first_c + k - 1, m, count), u[dst],
                                   None if g is None else g[dst])
 
     if first_c <= level.last:
-        _sweep(executor, level, "f", prop, intervals)
+        _sweep(executor, level, "f", intervals)
     leading = level.first < first_c        # F-points of an interval begun on an earlier rank
     last = min(first_c - 1, level.last)
 
     def lead() -> None:
-        march(level, prop, level.first, last)
+        march(level, executor.caps, level.first, last)
 
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
         # it on before waiting for the ghost, or the ranks would wait for each other in turn
         level.changed(c_phase=False)
         level.wait_ghost()
-        _sweep(executor, level, "f-lead", prop, lead)
+        _sweep(executor, level, "f-lead", lead)
         level.touched()
         return
     if leading:
         level.wait_ghost()
-        _sweep(executor, level, "f-lead", prop, lead)
+        _sweep(executor, level, "f-lead", lead)
     level.changed(c_phase=False)
 
 
-def propagate_to_c_points(level: Level, prop: Propagator, executor: Executor,
-                          first_c: int, count: int) -> Tensor:
+def propagate_to_c_points(level: Level, executor: Executor, first_c: int, count: int
+                          ) -> Tensor:
     """Phi(u_{c-1}) for the rank's C-points c = first_c, first_c + m, ... (count of them)."""
     if first_c == level.first:
         level.wait_ghost()
     m = level.grid.coarsening
     src = level.u[level.rows(first_c - 1, m, count)]
-    return executor.advance(prop, src, level.batch(first_c - 1, m, count))
+    return executor.advance(src, level.batch(first_c - 1, m, count))
 
 
-def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -> None:
+def c_relax(level: Level, executor: Executor, weight: float) -> None:
     """u_c = w*(g_c + Phi(u_{c-1})) + (1-w)*u_c at the rank's C-points (not point 0)."""
     if level.empty:
         return
     level.post_ghost(c_phase=True)
     first_c, count = level.c_points()
     if count:
-        new = propagate_to_c_points(level, prop, executor, first_c, count)
+        new = propagate_to_c_points(level, executor, first_c, count)
         rows = level.rows(first_c, level.grid.coarsening, count)
         if weight == 1.0 and level.g is not None:
             torch.add(level.g[rows], new, out=level.u[rows])
@@ -119,13 +118,13 @@ def c_relax(level: Level, prop: Propagator, executor: Executor, weight: float) -
     level.changed(c_phase=True)
 
 
-def sweep(level: Level, prop: Propagator, executor: Executor | None = None) -> None:
+def sweep(level: Level, executor: Executor) -> None:
     """Solve the coarsest level: one march over all points, rank after rank."""
     if level.empty:
         return
     level.post_ghost(c_phase=False)
     if level.first > 0:
         level.wait_ghost()
-    _sweep(executor, level, "sweep", prop,
-           lambda: march(level, prop, max(level.first, 1), level.last))
+    _sweep(executor, level, "sweep",
+           lambda: march(level, executor.caps, max(level.first, 1), level.last))
     level.changed(c_phase=False)

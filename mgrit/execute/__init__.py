@@ -5,7 +5,7 @@ of whole relaxation sweeps. The solver asks `make_executor` for the one that
 
 from __future__ import annotations
 
-from ..core.propagator import Propagator, has_batched_step
+from ..core.propagator import Capabilities
 from .executors import BatchedExecutor, Executor, LoopExecutor, write_result
 from .graphs import CudaCapture, SweepGraphs
 from .streams import StreamExecutor
@@ -14,18 +14,20 @@ __all__ = ["BatchedExecutor", "CudaCapture", "Executor", "LoopExecutor", "Stream
            "SweepGraphs", "make_executor", "write_result"]
 
 
-def make_executor(execution: str, prop: Propagator, cuda_graphs: bool = False) -> Executor:
-    """The executor that Config.execution asks for (with `SweepGraphs` for cuda_graphs)."""
-    batched = has_batched_step(prop)
+def make_executor(execution: str, caps: Capabilities, cuda_graphs: bool = False,
+                  name: str = "the propagator") -> Executor:
+    """The executor that Config.execution asks for, for the propagator whose capabilities
+    are `caps` (`name` names it in errors), with `SweepGraphs` for cuda_graphs."""
+    batched = caps.step_batch is not None
     if execution == "batched" and not batched:
         raise ValueError(f"execution='batched' needs a propagator with step_batch; "
-                         f"{type(prop).__name__} has none")
+                         f"{name} has none")
     if execution == "streams":
         if cuda_graphs:
             raise ValueError("cuda_graphs needs the loop or batched executor, not 'streams'")
-        return StreamExecutor()
-    executor: Executor = (LoopExecutor() if execution == "loop" or not batched
-                          else BatchedExecutor())
+        return StreamExecutor(caps)
+    executor: Executor = (LoopExecutor(caps) if execution == "loop" or not batched
+                          else BatchedExecutor(caps))
     if cuda_graphs:
-        executor.graphs = SweepGraphs()
+        executor.graphs = SweepGraphs(caps)
     return executor

@@ -3,25 +3,28 @@ reference) and one batched call for all intervals of a level."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from ..core.propagator import Propagator, StepBatch
+from ..core.propagator import Capabilities, StepBatch
 
 if TYPE_CHECKING:
     from .graphs import SweepGraphs
 
 
 class Executor(Protocol):
+    """Advances independent intervals of one level for the propagator it was made for."""
+
+    caps: Capabilities
     graphs: "SweepGraphs | None"     # where relaxation sweeps may be captured (cuda_graphs)
 
-    def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
+    def advance(self, states: Tensor, steps: StepBatch) -> Tensor:
         """Return the stacked states after steps[i] applied to states[i]."""
         ...
 
-    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+    def advance_into(self, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
         """Write g + (the states after the steps) into `out` (g None: no g)."""
         ...
@@ -48,49 +51,49 @@ class LoopExecutor:
     """One `step` call per interval: the reference path."""
 
     name = "loop"
-    graphs: "SweepGraphs | None" = None
 
-    def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
-        out = torch.stack([prop.step(states[i], s) for i, s in enumerate(steps)])
+    def __init__(self, caps: Capabilities) -> None:
+        self.caps = caps
+        self.graphs: SweepGraphs | None = None
+
+    def advance(self, states: Tensor, steps: StepBatch) -> Tensor:
+        step = self.caps.step
+        out = torch.stack([step(states[i], s) for i, s in enumerate(steps)])
         return _check_output(out, states, "step")
 
-    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+    def advance_into(self, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
-        write_result(out, self.advance(prop, states, steps), g)
-
-
-def _single_step(prop: Propagator, steps: StepBatch) -> Callable[..., None] | None:
-    """The propagator's single-step `step_into` for a batch of one interval (a rank that
-    holds one interval of a coarse level), where it has one; else None. A batch of one
-    costs a batch's overhead for one step's work."""
-    return getattr(prop, "step_into", None) if len(steps) == 1 else None
+        write_result(out, self.advance(states, steps), g)
 
 
 class BatchedExecutor:
-    """One `step_batch` call for all intervals; a batch of one interval through
-    `_single_step`."""
+    """One `step_batch` call for all intervals (through `step_batch_into` where the
+    propagator has it: no stacked temporary and no copy). A batch of one interval goes to
+    the propagator's single-step `step_into` where it has one: a batch's overhead for one
+    step's work is what a rank holding one interval of a coarse level would pay."""
 
     name = "batched"
-    graphs: "SweepGraphs | None" = None
 
-    def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
-        single = _single_step(prop, steps)
-        if single is not None:
+    def __init__(self, caps: Capabilities) -> None:
+        if caps.step_batch is None:
+            raise ValueError("the batched executor needs a propagator with step_batch")
+        self.caps = caps
+        self.graphs: SweepGraphs | None = None
+        self._batch, self._batch_into = caps.step_batch, caps.step_batch_into
+        self._into = caps.step_into
+
+    def advance(self, states: Tensor, steps: StepBatch) -> Tensor:
+        if self._into is not None and len(steps) == 1:
             out = torch.empty_like(states)
-            single(states[0], steps[0], out[0], None)
+            self._into(states[0], steps[0], out[0], None)
             return out
-        return _check_output(prop.step_batch(states, steps), states, "step_batch")
+        return _check_output(self._batch(states, steps), states, "step_batch")
 
-    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+    def advance_into(self, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
-        """Through the propagator's `step_batch_into` when it has one (no stacked temporary
-        and no copy), else `step_batch` and a copy."""
-        single = _single_step(prop, steps)
-        if single is not None:
-            single(states[0], steps[0], out[0], None if g is None else g[0])
-            return
-        into = getattr(prop, "step_batch_into", None)
-        if into is not None:
-            into(states, steps, out, g)
+        if self._into is not None and len(steps) == 1:
+            self._into(states[0], steps[0], out[0], None if g is None else g[0])
+        elif self._batch_into is not None:
+            self._batch_into(states, steps, out, g)
         else:
-            write_result(out, self.advance(prop, states, steps), g)
+            write_result(out, self.advance(states, steps), g)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import Tensor
 
-from ..core.propagator import Propagator
+from ..core.propagator import Capabilities
 
 
 class CudaCapture:
@@ -43,30 +43,32 @@ class CudaCapture:
 class SweepGraphs:
     """CUDA graphs of relaxation sweeps, one per sweep of a solver's level.
 
-    `run(key, like, prop, sweep)` runs `sweep` (a function of tensor work only: no
+    `run(key, like, sweep)` runs `sweep` (a function of tensor work only: no
     communication, no host reads, no Python state that a later call needs) eagerly on its
     first use, as the warm-up that capturing needs (library handles, workspaces, cached
     views), captures it on its second and replays the graph from then on (`capture`:
     `CudaCapture`, or a stand-in with its methods `warm_up` and `capture`). A graph
     replays the kernels on the memory they were captured with, so it is kept only while the
-    propagator's `graph_key()` stays the same (its parameters' storage: a conversion such as
-    `.double()` moves it) and not used while that key is None (the propagator is doing
-    something a replay would skip, such as keeping outputs for the backward pass). States on
-    another device than CUDA, or a propagator without `graph_key`, run eagerly.
+    propagator's `graph_key()` (of its capabilities `caps`) stays the same (its parameters'
+    storage: a conversion such as `.double()` moves it) and not used while that key is None
+    (the propagator is doing something a replay would skip, such as keeping outputs for the
+    backward pass). States on another device than CUDA, or a propagator without
+    `graph_key`, run eagerly.
     """
 
     device_types: tuple[str, ...] = ("cuda",)
 
-    def __init__(self, capture: Any = None) -> None:
+    def __init__(self, caps: Capabilities, capture: Any = None) -> None:
+        self.caps = caps
+        self._graph_key = caps.graph_key
         self._capture = capture if capture is not None else CudaCapture()
         # sweep key -> [propagator's graph key, uses so far, graph or None]
         self._sweeps: dict[Hashable, list] = {}
         self.captured = 0
         self.replayed = 0
 
-    def run(self, key: Hashable, like: Tensor, prop: Propagator, sweep: Callable[[], None]
-            ) -> None:
-        graph_key = getattr(prop, "graph_key", None)
+    def run(self, key: Hashable, like: Tensor, sweep: Callable[[], None]) -> None:
+        graph_key = self._graph_key
         token = (graph_key() if graph_key is not None and like.device.type in self.device_types
                  else None)
         if token is None:

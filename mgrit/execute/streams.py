@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.propagator import Propagator, StepBatch
+from ..core.propagator import Capabilities, StepBatch
 from .executors import LoopExecutor, _check_output, write_result
 
 
@@ -19,13 +19,16 @@ class StreamExecutor:
     name = "streams"
     graphs = None
 
-    def __init__(self, groups: int = 4) -> None:
+    def __init__(self, caps: Capabilities, groups: int = 4) -> None:
+        self.caps = caps
         self.groups = groups
+        self._loop = LoopExecutor(caps)
         self._streams: dict[torch.device, list] = {}
 
-    def advance(self, prop: Propagator, states: Tensor, steps: StepBatch) -> Tensor:
+    def advance(self, states: Tensor, steps: StepBatch) -> Tensor:
         if states.device.type != "cuda":
-            return LoopExecutor().advance(prop, states, steps)
+            return self._loop.advance(states, steps)
+        step = self.caps.step
         device = states.device
         if device not in self._streams:
             self._streams[device] = [torch.cuda.Stream(device) for _ in range(self.groups)]
@@ -35,13 +38,13 @@ class StreamExecutor:
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
                 for i in range(g, len(steps), self.groups):
-                    out[i] = prop.step(states[i], steps[i])
+                    out[i] = step(states[i], steps[i])
             states.record_stream(stream)
             out.record_stream(stream)
         for stream in self._streams[device]:
             caller.wait_stream(stream)
         return _check_output(out, states, "step")
 
-    def advance_into(self, prop: Propagator, states: Tensor, steps: StepBatch, out: Tensor,
+    def advance_into(self, states: Tensor, steps: StepBatch, out: Tensor,
                      g: Tensor | None) -> None:
-        write_result(out, self.advance(prop, states, steps), g)
+        write_result(out, self.advance(states, steps), g)

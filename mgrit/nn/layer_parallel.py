@@ -163,9 +163,10 @@ class LayerParallel(nn.Module):
         key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
         if key not in self._solvers:
             batched = config.execution != "loop"
-            self._solvers[key] = Solver(NetworkPropagator(self.layers, batched, keep), like,
-                                        self.num_steps, 0.0, self.t_final, config,
-                                        self._forward_comm, blocks=self._blocks)
+            prop = NetworkPropagator(self.layers, batched, keep)
+            self._solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
+                                        self._forward_comm, blocks=self._blocks,
+                                        final_sweep=prop.fine_sweep)
         return self._solvers[key]
 
     def _adjoint_solver(self, like: Tensor) -> Solver:
@@ -180,7 +181,8 @@ class LayerParallel(nn.Module):
                                      states, offset, batched, forward.prop.outputs)
             self._adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
                                                 self.backward_config, self._backward_comm,
-                                                blocks=self._adjoint_blocks)
+                                                blocks=self._adjoint_blocks,
+                                                final_sweep=prop.fine_sweep)
         return self._adjoint_solvers[key]
 
     def _refresh_ghosts(self) -> None:
