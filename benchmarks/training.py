@@ -22,7 +22,7 @@ from mgrit.app.train import evaluate, train_epoch
 from mgrit.core.config import Config
 from mgrit.kernels.choice import torch_kernels
 from mgrit.nn import LayerParallel, serial_resnet
-from mgrit.nn.stack import is_dense_tanh
+from mgrit.kernels.steps import is_dense_tanh
 
 from . import workloads as models
 from .baselines import GPipe, LayerwiseModelParallel

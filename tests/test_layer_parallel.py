@@ -230,7 +230,7 @@ def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monke
     runs = {}
     for reuse in (True, False):
         if not reuse:   # the forward pass keeps nothing: every VJP evaluates f again
-            monkeypatch.setattr(NetworkPropagator, "fine_sweep", lambda self, active: None)
+            monkeypatch.setattr(NetworkPropagator, "final_sweep", lambda self, active: None)
         model, _ = build(kind, 16, fwd, bwd)
         x, y = data(kind, 4)
         loss = nn.functional.cross_entropy(model(x), y)
@@ -359,7 +359,7 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     from mgrit.kernels import chain as kernels
     from mgrit.nn.propagators import AdjointPropagator, NetworkPropagator
 
-    monkeypatch.setattr(NetworkPropagator, "fine_sweep", lambda self, active: None)
+    monkeypatch.setattr(NetworkPropagator, "final_sweep", lambda self, active: None)
     fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
                        min_coarse=1, execution=execution)
     bwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
@@ -396,21 +396,25 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
 def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, monkeypatch):
     """A batch of adjoint states of which one is non-zero (the front of a first backward
     cycle) gives that entry its VJP through the single-step path, zeros elsewhere: the same
-    numbers as autograd on the layer."""
+    numbers as autograd on the layer. (With torch's kernels: the native ones take a whole
+    batch in C, zero entries included.)"""
     from mgrit.core.propagator import StepBatch
+    from mgrit.kernels.steps import ChainSteps
     from mgrit.nn.propagators import AdjointPropagator
 
+    monkeypatch.setenv("MGRIT_NATIVE", "torch")
     model, _ = build(kind, 16)
     x, _ = data(kind, 4)
     shape = model.opening(x).shape
     gen = torch.Generator().manual_seed(3)
     states = torch.randn(17, *shape, generator=gen, dtype=torch.float64)
-    prop = AdjointPropagator(model.layers, 16, [1, 2, 4], states, 0, batched=True)
+    prop = AdjointPropagator(model.layers, 16, [1, 2, 4], states, 0)
     prop.begin()
+    assert type(prop.kernels) is ChainSteps
     singles = []
-    single_du = AdjointPropagator._single_du
-    monkeypatch.setattr(AdjointPropagator, "_single_du",
-                        lambda self, p, w: singles.append(p) or single_du(self, p, w))
+    single = ChainSteps.vjp_single_into
+    monkeypatch.setattr(ChainSteps, "vjp_single_into",
+                        lambda self, p, *args: singles.append(p) or single(self, p, *args))
     batch = StepBatch(1, 1, 2, 3, 2, 0.0, 1 / 16)        # level 1, steps 1, 3, 5
     ws = torch.zeros(3, *shape, dtype=torch.float64)
     ws[1] = torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -19,7 +19,7 @@ NATIVE_BACKENDS = ("auto", "torch")
 
 
 def native_backend() -> str:
-    """Whether the layer kernels may use mgrit's native CPU kernels (`mgrit.kernels.native`), from
+    """Whether the layer kernels may use mgrit's native CPU kernels (mgrit.kernels.native), from
     the environment variable MGRIT_NATIVE: "auto" (the default: native convolutions where
     they are measured faster, native dense tanh steps for narrow layers) or "torch" (torch's
     kernels only). torch.use_deterministic_algorithms(True) means "torch": a choice made
@@ -50,11 +50,11 @@ def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -
     """Whether to compute operation `name` on these operands (tensors or None) with the
     native kernel fns[0] rather than torch's fns[1]. The first call for a set of shapes
     times both on random operands of those shapes and keeps the native kernel where it is
-    at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers (W1's 3
-    channels: about 4 times the native kernel's time, its weight gradient twice), fast for
-    wide ones. The choice holds for torch's thread count at the time (the native kernel
-    runs on one thread, torch's on all it may use) and is made again for another count.
-    Operands that autograd tracks always go to torch."""
+    at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers and fast
+    for wide ones (docs/performance.md has the figures). The choice holds for torch's
+    thread count at the time (the native kernel runs on one thread, torch's on all it may
+    use) and is made again for another count. Operands that autograd tracks always go to
+    torch."""
     x = operands[0]
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
             or native_backend() == "torch"):

@@ -10,24 +10,23 @@ from torch import Tensor
 from . import native
 
 # the most values per layer (rows of states times width) for which the native dense kernels
-# run: there a step is mostly call overhead, which one C call removes; for more (W2b's
-# batch of 32 at width 32) torch's matrix products are as fast or faster
+# run: there a step is mostly call overhead, which one C call removes; for wider states
+# (W2b's batch of 32 at width 32) torch's matrix products are as fast or faster
 DENSE_NATIVE_MAX_VALUES = 256
 # the most values (layers times values per layer) of a batch of forward steps for which the
 # native kernel runs: its tanh is a scalar call per value, so past a few layers torch's
-# vectorised one and batched products win (float32, width 32, one row per layer, warm: 4
-# layers 7.4 against 17.8 us, 8 layers 11.0 against 19.1, 16 layers 18.2 against 21.8, 32
-# layers 32.6 against 27.0; with a limit of 16 layers a W2 training step on one rank,
-# whose coarse levels have batches of 16, was 2% slower, with 8 as fast as without)
+# vectorised one and batched products win (docs/performance.md, "Native CPU kernels", has
+# the timings that set both limits)
 DENSE_NATIVE_MAX_BATCH = 256
 
 
 class NativeDense:
     """The residual step u + dt tanh(u W^T + b) of a `Linear(d, d) -> Tanh` layer and its
     adjoint on `mgrit.kernels.native`'s fused kernels (CPU, float32/float64): one C call per step
-    or batch of layers where torch takes four or five. `of` gives one where the kernels
-    apply; its calls return False, having done nothing, where an operand's layout does not
-    suit them (the caller then computes with torch)."""
+    or batch of layers where torch takes four or five (`mgrit.kernels.steps.chain_steps`
+    decides where they run). Its calls return False, having done nothing, where an operand's
+    layout does not suit them (the caller then computes with torch). No autograd graph is
+    recorded: the callers pass detached tensors."""
 
     def __init__(self, dtype: torch.dtype, width: int) -> None:
         lib = native.library()
@@ -37,22 +36,6 @@ class NativeDense:
         self._step_one = getattr(lib, f"mgrit_dense_tanh_one_{suffix}")
         self._vjp_one = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
         self.width = width
-
-    @staticmethod
-    def of(x: Tensor, values: int, width: int, cache: dict) -> "NativeDense | None":
-        """The kernels for states like x (cached in `cache` per dtype), or None: not CPU
-        float32/float64 states of at most DENSE_NATIVE_MAX_VALUES `values` each, kernels not
-        built here, or autograd recording (the kernels record no graph). Whether the native
-        kernels are allowed at all (`native_backend`) is the caller's to ask: reading the
-        environment costs a microsecond, a tenth of a step."""
-        if not x.is_cpu or values > DENSE_NATIVE_MAX_VALUES or torch.is_grad_enabled():
-            return None
-        found = cache.get(x.dtype)
-        if found is None:
-            found = cache[x.dtype] = (NativeDense(x.dtype, width)
-                                      if x.dtype in native.SUFFIX and native.available()
-                                      and width <= native.MAX_WIDTH else False)
-        return found or None
 
     def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
              g: Tensor | None = None, keep: Tensor | None = None) -> bool:

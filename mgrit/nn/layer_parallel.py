@@ -162,11 +162,10 @@ class LayerParallel(nn.Module):
         config = self.inference_config if (not keep and not self.training) else self.forward_config
         key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
         if key not in self._solvers:
-            batched = config.execution != "loop"
-            prop = NetworkPropagator(self.layers, batched, keep)
+            prop = NetworkPropagator(self.layers, like, keep)
             self._solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
                                         self._forward_comm, blocks=self._blocks,
-                                        final_sweep=prop.fine_sweep)
+                                        final_sweep=prop.final_sweep)
         return self._solvers[key]
 
     def _adjoint_solver(self, like: Tensor) -> Solver:
@@ -174,15 +173,14 @@ class LayerParallel(nn.Module):
         if key not in self._adjoint_solvers:
             forward = self._solver(like, keep=True)
             states, offset = forward.fine_states()
-            batched = self.backward_config.execution != "loop"
             grids = build_hierarchy(self.num_steps, self.backward_config.coarsening_list(),
                                     self.backward_config.levels, self.backward_config.min_coarse)
             prop = AdjointPropagator(self.layers, self.num_steps, [g.stride for g in grids],
-                                     states, offset, batched, forward.prop.outputs)
+                                     states, offset, forward.prop.outputs)
             self._adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
                                                 self.backward_config, self._backward_comm,
                                                 blocks=self._adjoint_blocks,
-                                                final_sweep=prop.fine_sweep)
+                                                final_sweep=prop.final_sweep)
         return self._adjoint_solvers[key]
 
     def _refresh_ghosts(self) -> None:
@@ -213,8 +211,8 @@ class LayerParallel(nn.Module):
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         with torch.no_grad():
             self._refresh_ghosts()
-            self.layers.refresh_native()
             solver = self._solver(u0, keep)
+            solver.prop.begin()
             res = solver.solve(u0.detach())
         if keep:
             self._forward_token += 1
@@ -227,7 +225,6 @@ class LayerParallel(nn.Module):
             solver = self._adjoint_solver(grad_out)
             prop: AdjointPropagator = solver.prop
             prop.begin()
-            self.layers.refresh_native()
             res = solver.solve(grad_out.detach().contiguous())
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = self._parameter_gradients(prop.gradients)

@@ -13,11 +13,9 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import functional_call
 
 from ..kernels.chain import Chain
-from ..kernels.choice import native_backend
-from ..kernels.dense import NativeDense
 
 _NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
 
@@ -65,23 +63,6 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     return template, kept
 
 
-def is_dense_tanh(template: nn.Module) -> bool:
-    """Exactly Linear(d, d) with bias, then Tanh: the step that the CUDA kernels and the
-    native CPU dense kernels implement."""
-    return (isinstance(template, nn.Sequential) and len(template) == 2
-            and type(template[0]) is nn.Linear and template[0].bias is not None
-            and template[0].in_features == template[0].out_features
-            and type(template[1]) is nn.Tanh)
-
-
-def _use_cuda_kernels(stack: "LayerStack", states: Tensor) -> bool:
-    if not (stack.dense_tanh and states.is_cuda):
-        return False
-    from . import cuda
-
-    return cuda.available()
-
-
 class LayerStack(nn.Module):
     """Layers first..last of a network (possibly none) with stacked parameters.
 
@@ -119,26 +100,9 @@ class LayerStack(nn.Module):
         self._rows: dict[tuple[int, int, int], Any] = {}
         self._detached_tensors: dict[str, Tensor] | None = None
         self._detached_key: tuple[int, ...] = ()
+        # the hand-written kernels' view of the step module, None where it is not a chain
+        # of ops they cover (then torch.func computes)
         self.chain = Chain.of(template)
-        self.dense_tanh = is_dense_tanh(template)
-        # the layer width, read once: indexing the template (a Sequential) on every step
-        # would cost as much as the native step itself
-        self._dense_width = template[0].in_features if self.dense_tanh else 0
-        self._native_dense: dict = {}     # dtype -> NativeDense, or False where it cannot run
-        self.refresh_native()
-
-    def refresh_native(self) -> None:
-        """Read whether native kernels may run (MGRIT_NATIVE, deterministic algorithms):
-        once per solve, not per step."""
-        self._native_allowed = native_backend() != "torch"
-
-    def native_dense(self, x: Tensor, values: int) -> NativeDense | None:
-        """The native dense tanh kernels for states like x of `values` values per layer,
-        or None (not a dense tanh layer, native kernels not allowed when the solve began;
-        see NativeDense.of)."""
-        if not (self.dense_tanh and self._native_allowed):
-            return None
-        return NativeDense.of(x, values, self._dense_width, self._native_dense)
 
     @property
     def count(self) -> int:
@@ -271,26 +235,3 @@ class LayerStack(nn.Module):
     # evaluation ----------------------------------------------------------------
     def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
         return functional_call(self.template, tensors, (u,))
-
-    def f_batch(self, tensors: dict[str, Tensor], states: Tensor) -> Tensor:
-        if self.chain is not None:
-            return self.chain.forward(tensors, states)
-        return vmap(self.f)(tensors, states)
-
-    def vjp_batch(self, tensors: dict[str, Tensor], states: Tensor, cotangents: Tensor,
-                  want_input: bool = True, want_params: bool = False,
-                  values: list | None = None
-                  ) -> tuple[Tensor | None, dict[str, Tensor] | None]:
-        """(df/du)^T w and/or (df/dtheta)^T w (per parameter name) for every layer of a
-        batch, from one forward pass per layer (none for a chain given `values`, its ops'
-        outputs at `states` as `Chain.gather_values` returns them)."""
-        if self.chain is not None:
-            return self.chain.vjp(tensors, states, cotangents, want_input, want_params, values)
-        params = {k: v for k, v in tensors.items() if k in self.names}
-        buffers = {k: v for k, v in tensors.items() if k not in self.names}
-
-        def one(p, b, u, w):
-            dp, du = vjp(lambda q, x: self.f({**q, **b}, x), p, u)[1](w)
-            return du, dp
-        du, dp = vmap(one)(params, buffers, states, cotangents)
-        return (du if want_input else None), (dp if want_params else None)

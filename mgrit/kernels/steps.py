@@ -1,0 +1,284 @@
+"""Residual steps of a stack of layers, u + dt f(u), and their adjoints, as strategies chosen
+once per layer kind, device and dtype (`chain_steps`) instead of at every call.
+
+A strategy works on a layer's (or a batch of layers') tensors `t`, a dict of parameter name
+to tensor as `LayerStack` hands them out, and offers:
+
+  step(t, u, dt)                          u + dt f(u) for one layer, a new tensor
+  step_into(t, u, dt, out, g, keep)       out = g + u + dt f(u) (g None: no g), in place
+  batch(t, states, dt)                    the same for a batch of layers, a new tensor
+  batch_into(t, states, dt, out, g, keep)
+  values(t, us) / single_values(t, u)     the op outputs of f at a batch / one state: what
+                                          the adjoint linearises with ("kept" outputs)
+  gather(us, kept)                        kept outputs of several layers as one batch's
+  vjp(t, us, ws, dt, values, want_params) ws + dt (df/du)^T ws for a batch, and the
+                                          parameter cotangents (df/dtheta)^T ws if asked
+  vjp_single_into(t, w, dt, out, g, kept) out = g + w + dt (df/du)^T w for one layer
+
+`keep` asks the forward steps to return their op outputs, which the adjoint then reuses
+instead of evaluating f again. Kept outputs are (outputs, k): layer k of the batch whose op
+outputs `outputs` (per op: a stacked tensor or a list of per-layer tensors) a step returned.
+
+`ChainSteps` runs torch's kernels for a `Chain`; `NativeDenseSteps` and `CudaDenseSteps` run
+the hand-written kernels of a `Linear(d, d) -> Tanh` step on a CPU and a GPU, and fall back
+to `ChainSteps` where an operand's layout does not suit them. `skips_zeros` says whether a
+strategy's adjoint handles all-zero cotangents itself (the native kernels check in C);
+otherwise the caller skips them before asking.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from . import native
+from .chain import Chain, _Activation, _Linear
+from .dense import DENSE_NATIVE_MAX_BATCH, DENSE_NATIVE_MAX_VALUES, NativeDense
+
+Tensors = dict[str, Tensor]
+Kept = tuple[list, int]
+
+
+def add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) -> None:
+    """out = g + u + dt * f (g None: no g), in place: a step's update written into its row."""
+    torch.add(u, f, alpha=dt, out=out)
+    if g is not None:
+        out.add_(g)
+
+
+def single_kept(outputs: list) -> Kept:
+    """Kept outputs of one layer from its ops' outputs (one tensor per op)."""
+    return [[y] for y in outputs], 0
+
+
+class ChainSteps:
+    """Torch's kernels for a step module that is a `Chain` (Linear, same-padded Conv2d and
+    simple activations): batched matrix products and per-layer convolutions, hand-written
+    VJPs (see `mgrit.kernels.chain`)."""
+
+    skips_zeros = False
+    keeps_values = True         # single and batched steps can return their op outputs
+    name = "chain"
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+
+    # forward ---------------------------------------------------------------------------
+    def step(self, layer: int, t: Tensors, u: Tensor, dt: float) -> Tensor:
+        return u + dt * self.chain.single(t, u)
+
+    def step_into(self, layer: int, t: Tensors, u: Tensor, dt: float, out: Tensor,
+                  g: Tensor | None, keep: bool) -> Kept | None:
+        outputs: list | None = [] if keep else None
+        add_step(out, u, self.chain.single(t, u, outputs), dt, g)
+        return None if outputs is None else single_kept(outputs)
+
+    def batch(self, t: Tensors, states: Tensor, dt: float) -> Tensor:
+        return torch.add(states, self.chain.forward(t, states), alpha=dt)
+
+    def batch_into(self, t: Tensors, states: Tensor, dt: float, out: Tensor, g: Tensor | None,
+                   keep: bool) -> list | None:
+        """Written layer by layer from the chain's outputs: no stacked temporary, no copy."""
+        outputs = None
+        if keep:
+            f, outputs = self.chain.forward_values(t, states)
+        else:
+            f = self.chain.forward(t, states, stack=False)
+        if isinstance(f, list):
+            for i, fi in enumerate(f):
+                torch.add(states[i], fi, alpha=dt, out=out[i])
+            if g is not None:
+                out.add_(g)
+        else:
+            add_step(out, states, f, dt, g)
+        return outputs
+
+    # adjoint ---------------------------------------------------------------------------
+    def values(self, t: Tensors, us: Tensor) -> list:
+        return self.chain.forward_values(t, us)[1]
+
+    def single_values(self, layer: int, t: Tensors, u: Tensor) -> Kept:
+        outputs: list = []
+        self.chain.single(t, u, outputs)
+        return single_kept(outputs)
+
+    def gather(self, us: Tensor, kept: list[Kept]) -> list:
+        return self.chain.gather_values(us, kept)
+
+    def wants_values(self, want_params: bool) -> bool:
+        """Whether `vjp` reads the op outputs (else the caller need not gather them)."""
+        return True
+
+    def vjp(self, t: Tensors, us: Tensor, ws: Tensor, dt: float, values: list | None,
+            want_params: bool) -> tuple[Tensor, Tensors | None]:
+        """(ws + dt (df/du)^T ws, the parameter cotangents or None), from `values` as
+        `gather` gives them."""
+        du, dp = self.chain.vjp(t, us, ws, True, want_params, values)
+        return torch.add(ws, du, alpha=dt), dp
+
+    def vjp_single_into(self, layer: int, t: Tensors, w: Tensor, dt: float, out: Tensor,
+                        g: Tensor | None, kept: Kept) -> None:
+        outputs, k = kept
+        add_step(out, w, self.chain.single_vjp(t, w, [v[k] for v in outputs]), dt, g)
+
+    def record_single_into(self, layer: int, t: Tensors, u: Tensor, w: Tensor, dt: float,
+                           out: Tensor, g: Tensor | None, kept: Callable[[], Kept]
+                           ) -> Tensors | None:
+        """`vjp_single_into` that also returns the layer's parameter cotangents as a batch
+        of one (`kept()` gives the op outputs at u), or None, having done nothing, where this
+        strategy has no single-layer path for them (the caller then takes a batch of one)."""
+        return None
+
+
+def _dense_names(chain: Chain) -> tuple[str, str] | None:
+    """The weight and bias names of a chain that is exactly Linear(d, d) with bias -> Tanh."""
+    ops = chain.ops
+    if (len(ops) == 2 and isinstance(ops[0], _Linear) and ops[0].bias is not None
+            and isinstance(ops[1], _Activation) and type(ops[1].module) is nn.Tanh):
+        return ops[0].weight, ops[0].bias
+    return None
+
+
+class NativeDenseSteps(ChainSteps):
+    """The residual step of `Linear(d, d) -> Tanh` layers on the native CPU kernels
+    (`mgrit.kernels.dense.NativeDense`): one C call per step or small batch where torch
+    takes four or five. Batches of more than DENSE_NATIVE_MAX_BATCH values go to torch,
+    whose vectorised tanh and batched products win there."""
+
+    skips_zeros = True
+    name = "native dense"
+
+    def __init__(self, chain: Chain, kernels: NativeDense) -> None:
+        super().__init__(chain)
+        self.kernels = kernels
+        self.weight, self.bias = _dense_names(chain)
+
+    def step_into(self, layer: int, t: Tensors, u: Tensor, dt: float, out: Tensor,
+                  g: Tensor | None, keep: bool) -> Kept | None:
+        y = torch.empty_like(u) if keep else None
+        if self.kernels.step(u, t[self.weight], t[self.bias], dt, out, g, y):
+            return None if y is None else ([[y], [y]], 0)    # the adjoint reads the tanh alone
+        return super().step_into(layer, t, u, dt, out, g, keep)
+
+    def batch(self, t: Tensors, states: Tensor, dt: float) -> Tensor:
+        if states.numel() > DENSE_NATIVE_MAX_BATCH:
+            return super().batch(t, states, dt)
+        out = torch.empty_like(states)
+        self.batch_into(t, states, dt, out, None, False)
+        return out
+
+    def batch_into(self, t: Tensors, states: Tensor, dt: float, out: Tensor, g: Tensor | None,
+                   keep: bool) -> list | None:
+        if states.numel() <= DENSE_NATIVE_MAX_BATCH:
+            y = torch.empty_like(states) if keep else None
+            if self.kernels.step_batch(states, t[self.weight], t[self.bias], dt, out, g, y):
+                return None if y is None else [y, y]
+        return super().batch_into(t, states, dt, out, g, keep)
+
+    def single_values(self, layer: int, t: Tensors, u: Tensor) -> Kept:
+        y = torch.empty_like(u)
+        if self.kernels.step(u, t[self.weight], t[self.bias], 0.0, torch.empty_like(u), None, y):
+            return [[y], [y]], 0
+        return super().single_values(layer, t, u)
+
+    def vjp(self, t: Tensors, us: Tensor, ws: Tensor, dt: float, values: list,
+            want_params: bool) -> tuple[Tensor, Tensors | None]:
+        """In C, entries of zero cotangents included (they give zero cotangents and read
+        nothing else); torch's kernels where the layout does not suit."""
+        out = torch.empty_like(ws)
+        w = t[self.weight]
+        gw = torch.empty(w.shape, dtype=w.dtype) if want_params else None
+        gb = torch.empty(w.shape[:2], dtype=w.dtype) if want_params else None
+        if self.kernels.vjp(w, ws, values[2], dt, out, None, us if want_params else None,
+                            gw, gb):
+            return out, ({self.weight: gw, self.bias: gb} if want_params else None)
+        return super().vjp(t, us, ws, dt, values, want_params)
+
+    def vjp_single_into(self, layer: int, t: Tensors, w: Tensor, dt: float, out: Tensor,
+                        g: Tensor | None, kept: Kept) -> None:
+        outputs, k = kept
+        if not self.kernels.vjp_single(t[self.weight], w, outputs[1][k], dt, out, g):
+            super().vjp_single_into(layer, t, w, dt, out, g, kept)
+
+    def record_single_into(self, layer: int, t: Tensors, u: Tensor, w: Tensor, dt: float,
+                           out: Tensor, g: Tensor | None, kept: Callable[[], Kept]
+                           ) -> Tensors | None:
+        outputs, k = kept()
+        weight = t[self.weight]
+        gw = torch.empty((1, *weight.shape), dtype=weight.dtype)
+        gb = torch.empty((1, weight.shape[0]), dtype=weight.dtype)
+        if not self.kernels.vjp(weight[None], w[None], outputs[1][k][None], dt, out[None],
+                                None if g is None else g[None], u[None], gw, gb):
+            return None
+        return {self.weight: gw, self.bias: gb}
+
+
+class CudaDenseSteps(ChainSteps):
+    """The batched residual step of `Linear(d, d) -> Tanh` layers and its adjoint on the
+    CUDA kernels (`mgrit.kernels.cuda`); single steps, kept outputs and parameter
+    cotangents on torch's kernels."""
+
+    name = "cuda dense"
+
+    def __init__(self, chain: Chain) -> None:
+        super().__init__(chain)
+        self.weight, self.bias = _dense_names(chain)
+
+    def batch(self, t: Tensors, states: Tensor, dt: float) -> Tensor:
+        from .cuda import dense_step
+
+        flat = states.reshape(len(states), -1, states.shape[-1])
+        return dense_step(flat, t[self.weight], t[self.bias], dt).reshape(states.shape)
+
+    def batch_into(self, t: Tensors, states: Tensor, dt: float, out: Tensor, g: Tensor | None,
+                   keep: bool) -> list | None:
+        """Nothing kept: the adjoint computes the outputs it needs at their first use."""
+        value = self.batch(t, states, dt)
+        if g is None:
+            out.copy_(value)
+        else:
+            torch.add(g, value, out=out)
+        return None
+
+    def vjp(self, t: Tensors, us: Tensor, ws: Tensor, dt: float, values: list | None,
+            want_params: bool) -> tuple[Tensor, Tensors | None]:
+        if want_params:
+            return super().vjp(t, us, ws, dt, values, want_params)
+        from .cuda import dense_step_vjp
+
+        shape = (len(ws), -1, ws.shape[-1])
+        return dense_step_vjp(us.reshape(shape), t[self.weight], t[self.bias],
+                              ws.reshape(shape), dt).reshape(ws.shape), None
+
+    def wants_values(self, want_params: bool) -> bool:
+        return want_params
+
+
+def is_dense_tanh(module: nn.Module) -> bool:
+    """Whether a step module is Linear(d, d) with bias, then Tanh: the step that the native
+    and CUDA dense kernels compute."""
+    chain = Chain.of(module)
+    return chain is not None and _dense_names(chain) is not None
+
+
+def chain_steps(chain: Chain, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                native_allowed: bool) -> ChainSteps:
+    """The strategy for a chain's layers and states of this shape, dtype and device: the
+    CUDA dense kernels for Linear -> Tanh layers on a GPU where they load; the native dense
+    kernels on a CPU for float32/float64 states of at most DENSE_NATIVE_MAX_VALUES values,
+    where `native_allowed` (`mgrit.kernels.choice.native_backend`) and the kernels build
+    here; torch's chain kernels otherwise."""
+    if _dense_names(chain) is None:
+        return ChainSteps(chain)
+    if device.type == "cuda":
+        from . import cuda
+
+        return CudaDenseSteps(chain) if cuda.available() else ChainSteps(chain)
+    width = shape[-1] if len(shape) else 0
+    if (native_allowed and device.type == "cpu" and dtype in native.SUFFIX
+            and shape.numel() <= DENSE_NATIVE_MAX_VALUES and width <= native.MAX_WIDTH
+            and native.available()):
+        return NativeDenseSteps(chain, NativeDense(dtype, width))
+    return ChainSteps(chain)
