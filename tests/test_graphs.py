@@ -138,7 +138,8 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
     model, with_graphs = _train(True)
     _, without = _train(False)
     assert all(torch.equal(a, b) for a, b in zip(with_graphs, without))
-    solvers = list(model._solvers.values()) + list(model._adjoint_solvers.values())
+    passes = model._passes
+    solvers = list(passes.forward_solvers.values()) + list(passes.adjoint_solvers.values())
     counts = {}
     for s in solvers:
         c = counts.setdefault(type(s.prop).__name__, [0, 0])
@@ -155,7 +156,7 @@ def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
     monkeypatch.setattr(graph_module, "CudaCapture", lambda: _Capture([]))
     model, _ = _train(True, steps=2)
-    solver = next(iter(model._solvers.values()))
+    solver = next(iter(model._passes.forward_solvers.values()))
     before = solver.executor.graphs.captured
     key = solver.prop.graph_key()
     # new storage for every parameter; the old is held, or the allocator could hand the
@@ -168,7 +169,7 @@ def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     model.train()
     for _ in range(2):          # the same solver (shape, dtype, with gradients) as before
         model(x)
-    assert next(iter(model._solvers.values())) is solver
+    assert next(iter(model._passes.forward_solvers.values())) is solver
     assert solver.executor.graphs.captured > before
 
 
@@ -203,6 +204,7 @@ def test_cuda_graphs_on_a_gpu_equal_eager_steps():
         out += [p.detach().clone() for p in model.parameters()]
         results.append(out)
         if graphs:
-            assert sum(s.executor.graphs.captured for s in model._solvers.values()) > 0
+            solvers = model._passes.forward_solvers.values()
+            assert sum(s.executor.graphs.captured for s in solvers) > 0
     for a, b in zip(*results):
         assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())

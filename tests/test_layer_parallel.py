@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import mgrit
-from mgrit.nn import layer_parallel as nn_module
+from mgrit.nn import gradients
 
 from nets import build, data, owned_pairs, relative
 
@@ -240,7 +240,7 @@ def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monke
                             lambda self, t, v: calls.append(1) or original(self, t, v))
         loss.backward()
         monkeypatch.setattr(kernels.Chain, "_run", original)
-        kept = [s.prop.outputs for s in model._solvers.values()]
+        kept = [s.prop.outputs for s in model._passes.forward_solvers.values()]
         runs[reuse] = ([p.grad.clone() for p in model.parameters()], len(calls), kept)
     (grads, evals, kept), (grads_plain, evals_plain, _) = runs[True], runs[False]
     assert relative(list(zip(grads, grads_plain))) <= 1e-13
@@ -261,8 +261,8 @@ def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind
     nn.functional.cross_entropy(model(x), y).backward()
     nn.functional.cross_entropy(serial(x), y).backward()
     assert relative(owned_pairs(model, serial, grad=True)) > 1e-6
-    forward = next(s for key, s in model._solvers.items() if key[3])
-    adjoint = next(iter(model._adjoint_solvers.values()))
+    forward = next(s for key, s in model._passes.forward_solvers.items() if key[3])
+    adjoint = next(iter(model._passes.adjoint_solvers.values()))
     u, u_offset = forward.fine_states()
     w, w_offset = adjoint.fine_states()
     h = model.h
@@ -286,7 +286,7 @@ def test_recorded_gradients_are_assembled_alike_in_one_scatter_and_batch_by_batc
     x, y = data(kind, 4)
     grads = []
     for limit in (1 << 30, 0):
-        monkeypatch.setattr(nn_module, "_GATHERED_GRADIENTS", limit)
+        monkeypatch.setattr(gradients, "_GATHERED_GRADIENTS", limit)
         model, _ = build(kind, 16, config, config)
         nn.functional.cross_entropy(model(x), y).backward()
         grads.append([p.grad for p in model.parameters()])
@@ -303,12 +303,12 @@ def test_recorded_gradients_take_a_layers_later_entry_and_name_layers_never_reac
         return layers, {n: torch.full((len(layers), *shapes[n]), value, dtype=torch.float64)
                         for n in names}, dt
 
-    grads = model._parameter_gradients([entry([3, 2, 1, 0], 1.0), entry([2], 3.0)])
+    grads = gradients.layer_gradients(model.layers, [entry([3, 2, 1, 0], 1.0), entry([2], 3.0)])
     for n in names:
         got = grads[n].flatten(1)[:, 0].tolist()
         assert got == [0.5, 0.5, 1.5, 0.5], n
     with pytest.raises(RuntimeError, match=r"did not reach layers \[0, 2\]"):
-        model._parameter_gradients([entry([3, 1], 1.0)])
+        gradients.layer_gradients(model.layers, [entry([3, 1], 1.0)])
 
 
 def test_stacked_layer_batches_follow_updates_and_conversions():

@@ -1,9 +1,12 @@
 """Layer-parallel residual networks: `LayerParallel`, an nn.Module whose ODE part is solved by
-MGRIT forward and backward (adjoint) inside ordinary PyTorch autograd."""
+MGRIT forward and backward (adjoint) inside ordinary PyTorch autograd.
+
+It composes the parts of that job: the two solves (`passes`), the copies of other ranks'
+layers that coarse steps use (`ghosts`), the parameter gradients (`gradients`), and
+checkpoints and export (`checkpoint`)."""
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -12,20 +15,15 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..comm import Comm, ReversedComm, as_comm
+from ..comm import Comm, as_comm
 from ..core.config import Config
-from ..core.cycle import Solver
-from ..core.grid import (adjoint_blocks, build_hierarchy, coarse_layer_needs, layer_ranges,
-                         level0_blocks)
+from ..core.grid import build_hierarchy, layer_ranges, level0_blocks
+from . import checkpoint
 from .defaults import training_config
-from .propagators import AdjointPropagator, NetworkPropagator
-from .serial import ResidualStep
+from .ghosts import GhostExchange
+from .gradients import average_gradients, layer_gradients
+from .passes import Passes
 from .stack import LayerStack, build_layers
-
-CHECKPOINT_FORMAT = 1
-# up to this many parameter values on a rank, the recorded gradients are gathered in one
-# scatter per tensor; above, batch by batch (fewer passes over large data)
-_GATHERED_GRADIENTS = 1 << 16
 
 
 class _ODESolve(torch.autograd.Function):
@@ -115,28 +113,20 @@ class LayerParallel(nn.Module):
                     "a smaller coarsening or more layers")
         self.comm = as_comm(comm)
         self.data_comm = as_comm(data_comm) if data_comm is not None else None
-        size, rank = self.comm.size, self.comm.rank
-        self._blocks = level0_blocks(grids["forward"], size)
-        self._adjoint_blocks = adjoint_blocks(self._blocks, num_steps)
-        lo, hi = layer_ranges(self._blocks, num_steps)[rank]
+        blocks = level0_blocks(grids["forward"], self.comm.size)
+        lo, hi = layer_ranges(blocks, num_steps)[self.comm.rank]
         self.layer_range = (lo, hi)
         template, kept = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
         self.opening = opening if opening is not None else nn.Identity()
         self.closing = closing if closing is not None else nn.Identity()
-        needs = coarse_layer_needs(grids["forward"], self._blocks)
-        self._ghost_sends = [(tag, layer, r) for tag, (r, layer, owner) in enumerate(needs)
-                             if owner == rank]
-        self._ghost_recvs = [(tag, layer, owner) for tag, (r, layer, owner) in enumerate(needs)
-                             if r == rank]
-        self._forward_comm = self.comm.dup()
-        self._backward_comm = ReversedComm(self.comm.dup())
-        self._layer_comm = self.comm.dup()
-        self._solvers: dict[tuple, Solver] = {}
-        self._adjoint_solvers: dict[tuple, Solver] = {}
+        self._passes = Passes(self.layers, num_steps, self.t_final, self.forward_config,
+                              self.backward_config, self.inference_config, self.comm, blocks,
+                              [g.stride for g in grids["backward"]])
+        self._ghosts = GhostExchange(self.layers, grids["forward"], blocks, self.comm)
         self._checked_shapes: set[tuple] = set()
+        # counts forward passes with gradients: a backward pass must follow the latest one
         self._forward_token = 0
-        self._last_key: tuple | None = None
         self.stats: dict[str, dict[str, Any]] = {}
 
     # set-up ----------------------------------------------------------------------
@@ -155,132 +145,26 @@ class LayerParallel(nn.Module):
             self._checked_shapes.add(key)
         self.comm.agree("input batch shape and dtype", (tuple(u0.shape), str(u0.dtype)))
 
-    def _solver(self, like: Tensor, keep: bool) -> Solver:
-        """The forward solver for this input shape: `keep` for passes with gradients (its
-        states serve the backward pass), otherwise one of its own, with the inference
-        options in eval mode."""
-        config = self.inference_config if (not keep and not self.training) else self.forward_config
-        key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
-        if key not in self._solvers:
-            prop = NetworkPropagator(self.layers, like, keep)
-            self._solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
-                                        self._forward_comm, blocks=self._blocks,
-                                        final_sweep=prop.final_sweep)
-        return self._solvers[key]
-
-    def _adjoint_solver(self, like: Tensor) -> Solver:
-        key = (tuple(like.shape), like.dtype, like.device)
-        if key not in self._adjoint_solvers:
-            forward = self._solver(like, keep=True)
-            states, offset = forward.fine_states()
-            grids = build_hierarchy(self.num_steps, self.backward_config.coarsening_list(),
-                                    self.backward_config.levels, self.backward_config.min_coarse)
-            prop = AdjointPropagator(self.layers, self.num_steps, [g.stride for g in grids],
-                                     states, offset, forward.prop.outputs)
-            self._adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
-                                                self.backward_config, self._backward_comm,
-                                                blocks=self._adjoint_blocks,
-                                                final_sweep=prop.final_sweep)
-        return self._adjoint_solvers[key]
-
-    def _refresh_ghosts(self) -> None:
-        """Copy the layers other ranks' coarse steps need to them (after every update)."""
-        comm = self._layer_comm
-        requests, received = [], []
-        for tag, layer, owner in self._ghost_recvs:
-            buf = torch.empty(self.layers.flat_size(), dtype=self._dtype(),
-                              device=self._device())
-            requests.append(comm.irecv(buf, owner, tag))
-            received.append((layer, buf))
-        for tag, layer, dest in self._ghost_sends:
-            requests.append(comm.isend(self.layers.flatten_layer(layer).contiguous(), dest, tag))
-        for req in requests:
-            req.wait()
-        for layer, buf in received:
-            self.layers.set_ghost(layer, buf)
-
-    def _dtype(self) -> torch.dtype:
-        tensors = list(self.layers.tensors().values())
-        return tensors[0].dtype if tensors else torch.get_default_dtype()
-
-    def _device(self) -> torch.device:
-        tensors = list(self.layers.tensors().values())
-        return tensors[0].device if tensors else torch.device("cpu")
-
     # the two solves ----------------------------------------------------------------
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         with torch.no_grad():
-            self._refresh_ghosts()
-            solver = self._solver(u0, keep)
-            solver.prop.begin()
-            res = solver.solve(u0.detach())
+            self._ghosts.refresh()
+            res = self._passes.solve_forward(u0, keep, inference=not self.training)
         if keep:
             self._forward_token += 1
-            self._last_key = (tuple(u0.shape), u0.dtype, u0.device)
         self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals}
         return res.final
 
     def _solve_backward(self, grad_out: Tensor) -> tuple[Tensor, list[Tensor | None]]:
         with torch.no_grad():
-            solver = self._adjoint_solver(grad_out)
-            prop: AdjointPropagator = solver.prop
-            prop.begin()
-            res = solver.solve(grad_out.detach().contiguous())
+            res, recorded = self._passes.solve_backward(grad_out)
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
-            grads = self._parameter_gradients(prop.gradients)
-            if prop.outputs is not None:
-                prop.outputs.clear()    # the forward pass's kept outputs are used up
+            grads = layer_gradients(self.layers, recorded)
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]
             out.append(grads[name] if param.requires_grad else None)
         return res.final, out
-
-    def _parameter_gradients(self, recorded: list[tuple[list[int], dict[str, Tensor], float]]
-                             ) -> dict[str, Tensor]:
-        """dL/dtheta of the owned layers, as the adjoint's final fine sweep recorded them (its
-        one VJP per layer, at final values, gives both w_n and dL/dtheta_n); where a layer
-        was recorded twice, the later entry counts."""
-        lo, hi = self.layer_range
-        count = max(hi - lo + 1, 0)
-        rows = [layer - lo for layers, _, _ in recorded for layer in layers]
-        reached = set(rows)
-        if not reached.issuperset(range(count)):
-            missing = [lo + r for r in sorted(set(range(count)) - reached)]
-            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
-        params = {name: self.layers.params[name.replace(".", "__")] for name in self.layers.names}
-        dts = {dt for _, _, dt in recorded}
-        values = count * sum(p[0].numel() for p in params.values()) if count else 0
-        if len(rows) == count and len(dts) == 1 and values <= _GATHERED_GRADIENTS:
-            # every layer once, one step size, little data (W2 on many ranks: a few batches
-            # of a few layers): one scatter per tensor instead of a few calls per batch
-            dt = dts.pop()
-            index = torch.tensor(rows)
-            grads = {}
-            for name, param in params.items():
-                parts = [cotangents[name] for _, cotangents, _ in recorded]
-                grad = torch.empty_like(param)
-                grad.index_copy_(0, index.to(param.device),
-                                 torch.cat(parts) if len(parts) > 1 else parts[0])
-                grads[name] = grad.mul_(dt)
-            return grads
-        grads = {name: torch.zeros_like(param) for name, param in params.items()}
-        for layers, cotangents, dt in recorded:
-            first, step = layers[0] - lo, (layers[1] - layers[0] if len(layers) > 1 else 1)
-            if step != 0 and layers == list(range(layers[0], layers[-1] + step, step)):
-                # an arithmetic progression (every batch is): slices, not index tensors
-                at: slice | Tensor = slice(min(first, layers[-1] - lo),
-                                           max(first, layers[-1] - lo) + 1, abs(step))
-                flip = step < 0
-            else:
-                at, flip = torch.tensor(layers) - lo, False
-            for name in grads:
-                cot = cotangents[name]
-                if isinstance(at, slice):
-                    torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][at])
-                else:
-                    grads[name][at.to(cot.device)] = dt * cot
-        return grads
 
     def forward(self, x: Tensor) -> Tensor:
         u0 = self.opening(x)
@@ -295,110 +179,29 @@ class LayerParallel(nn.Module):
         return self.closing(u_final)
 
     def _average_gradients(self) -> None:
-        """Mean of the gradients over data-parallel replicas: one allreduce of one buffer."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        if not params:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in params])
-        self.data_comm.allreduce_sum_(flat)
-        flat /= self.data_comm.size
-        offset = 0
-        for p in params:
-            n = p.numel()
-            grad = flat[offset: offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = grad.clone()
-            else:
-                p.grad.copy_(grad)
-            offset += n
+        """Mean of the gradients over data-parallel replicas (after each backward pass)."""
+        average_gradients(self.parameters(), self.data_comm)
 
     # export and checkpoints -----------------------------------------------------------
     def to_serial(self) -> nn.Sequential | None:
         """The equivalent plain network (opening, ResidualStep layers, closing) on rank 0,
         None on the other ranks. Runs without MPI and gives the same outputs."""
-        lo, hi = self.layer_range
-        mine = {n: {k: v.detach().clone() for k, v in self.layers.layer_tensors(n).items()}
-                for n in range(lo, hi + 1)}
-        gathered = self.comm.gather_object(mine, 0)
-        if self.comm.rank != 0:
-            return None
-        layers: dict[int, dict[str, Tensor]] = {}
-        for part in gathered:
-            layers.update(part)
-        steps = []
-        for n in range(self.num_steps):
-            f = copy.deepcopy(self.layers.template)
-            for name, value in layers[n].items():
-                target = (f.get_parameter(name) if name in self.layers.names
-                          else f.get_buffer(name))
-                target.data = value.clone()
-            for p, ref in zip(f.parameters(), self._requires_grad()):
-                p.requires_grad_(ref)
-            steps.append(ResidualStep(f, self.h))
-        return nn.Sequential(copy.deepcopy(self.opening), *steps, copy.deepcopy(self.closing))
-
-    def _requires_grad(self) -> list[bool]:
-        return [self.layers.params[n.replace(".", "__")].requires_grad for n in self.layers.names]
-
-    def _layout(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "t_final": self.t_final, "ranks": self.comm.size,
-                "rank": self.comm.rank, "layers": self.layer_range,
-                "parameters": [(n, tuple(p.shape[1:])) for n, p in
-                               zip(self.layers.names, self.layers.params.values())]}
+        return checkpoint.to_serial(self)
 
     def checkpoint_path(self, directory: str | os.PathLike) -> Path:
-        data = (f"-data{self.data_comm.rank:05d}" if self.data_comm is not None else "")
-        return Path(directory) / f"rank{self.comm.rank:05d}-of-{self.comm.size:05d}{data}.pt"
+        return checkpoint.checkpoint_path(self, directory)
 
     def save_checkpoint(self, directory: str | os.PathLike,
                         optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> Path:
         """Write this rank's layers, opening, closing, optimizer state and warm-start states
         to `directory` (one file per rank, written then renamed: never half a file)."""
-        path = self.checkpoint_path(directory)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        warm = {}
-        for kind, solvers in (("forward", self._solvers), ("backward", self._adjoint_solvers)):
-            cfg = self.forward_config if kind == "forward" else self.backward_config
-            if cfg.initial_guess == "warm":
-                warm[kind] = {key[:2]: s.warm_states() for key, s in solvers.items()
-                              if s.has_solved and (kind == "backward" or key[3])}
-        state = {"format": CHECKPOINT_FORMAT, "layout": self._layout(),
-                 "model": self.state_dict(),
-                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                 "warm": warm, "extra": extra}
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return path
+        return checkpoint.save(self, self._passes, directory, optimizer, extra)
 
     def load_checkpoint(self, directory: str | os.PathLike,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote; returns its extra entries. A checkpoint of a
         different network or partition is refused with the difference named."""
-        path = self.checkpoint_path(directory)
-        if not path.exists():
-            raise FileNotFoundError(f"no checkpoint for this rank at {path}")
-        state = torch.load(path, map_location=self._device(), weights_only=False)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not a mgrit checkpoint of format {CHECKPOINT_FORMAT}")
-        mine = self._layout()
-        for key, value in state["layout"].items():
-            if mine.get(key) != value:
-                raise ValueError(f"{path} holds a different network or partition: {key} is "
-                                 f"{value!r} there and {mine.get(key)!r} here")
-        self.load_state_dict(state["model"])
-        if optimizer is not None:
-            if state["optimizer"] is None:
-                raise ValueError(f"{path} has no optimizer state")
-            optimizer.load_state_dict(state["optimizer"])
-        for kind, entries in state["warm"].items():
-            for (shape, dtype), rows in entries.items():
-                like = torch.zeros(shape, dtype=dtype, device=self._device())
-                solver = (self._solver(like, keep=True) if kind == "forward"
-                          else self._adjoint_solver(like))
-                solver.set_warm_states(rows)
-        return state["extra"]
+        return checkpoint.load(self, self._passes, directory, optimizer)
 
     def extra_repr(self) -> str:
         lo, hi = self.layer_range

@@ -1,0 +1,116 @@
+"""The two MGRIT solves of a layer-parallel network: a forward and an adjoint `Solver` for
+each input shape, dtype and device (built at first use, reused by every later pass), and
+running them. Solvers keep their level storage and warm-start states between passes, which
+is why they are cached rather than built per pass."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..comm import Comm, ReversedComm
+from ..core.config import Config
+from ..core.cycle import Result, Solver
+from ..core.grid import adjoint_blocks
+from .propagators import AdjointPropagator, NetworkPropagator
+from .stack import LayerStack
+
+
+class Passes:
+    """Forward and adjoint solvers over the layers of one rank.
+
+    blocks:           the ranks' level-0 blocks of the forward grid (the adjoint's follow
+                      from them).
+    backward_strides: the strides of the adjoint's levels (its grids' `stride`).
+    comm:             the layer-parallel group; each pass gets a duplicate of its own, so
+                      its messages never match the other pass's or the ghost exchange's.
+    """
+
+    def __init__(self, layers: LayerStack, num_steps: int, t_final: float,
+                 forward: Config, backward: Config, inference: Config, comm: Comm,
+                 blocks: list[tuple[int, int]], backward_strides: list[int]) -> None:
+        self.layers = layers
+        self.num_steps = num_steps
+        self.t_final = t_final
+        self.forward_config = forward
+        self.backward_config = backward
+        self.inference_config = inference
+        self.blocks = blocks
+        self.adjoint_blocks = adjoint_blocks(blocks, num_steps)
+        self.backward_strides = backward_strides
+        self.forward_comm = comm.dup()
+        self.backward_comm = ReversedComm(comm.dup())
+        # (shape, dtype, device, keep, inference options) -> forward solver
+        self.forward_solvers: dict[tuple, Solver] = {}
+        # (shape, dtype, device) -> adjoint solver
+        self.adjoint_solvers: dict[tuple, Solver] = {}
+
+    def forward_solver(self, like: Tensor, keep: bool, inference: bool = False) -> Solver:
+        """The forward solver for inputs like `like`: `keep` for passes with gradients (its
+        states serve the backward pass), otherwise one of its own, with the inference
+        options where `inference` (eval mode) and the forward options otherwise."""
+        config = self.inference_config if (not keep and inference) else self.forward_config
+        key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
+        if key not in self.forward_solvers:
+            prop = NetworkPropagator(self.layers, like, keep)
+            self.forward_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
+                                               config, self.forward_comm, blocks=self.blocks,
+                                               final_sweep=prop.final_sweep)
+        return self.forward_solvers[key]
+
+    def adjoint_solver(self, like: Tensor) -> Solver:
+        """The adjoint solver for cotangents like `like`, linearised at the states of the
+        forward solver that keeps them."""
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self.adjoint_solvers:
+            forward = self.forward_solver(like, keep=True)
+            states, offset = forward.fine_states()
+            prop = AdjointPropagator(self.layers, self.num_steps, self.backward_strides,
+                                     states, offset, forward.prop.outputs)
+            self.adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
+                                               self.backward_config, self.backward_comm,
+                                               blocks=self.adjoint_blocks,
+                                               final_sweep=prop.final_sweep)
+        return self.adjoint_solvers[key]
+
+    def solve_forward(self, u0: Tensor, keep: bool, inference: bool) -> Result:
+        """u_N from u_0 (no autograd graph; call under `torch.no_grad`)."""
+        solver = self.forward_solver(u0, keep, inference)
+        solver.prop.begin()
+        return solver.solve(u0.detach())
+
+    def solve_backward(self, grad_out: Tensor
+                       ) -> tuple[Result, list[tuple[list[int], dict[str, Tensor], float]]]:
+        """The adjoint solve from dL/du_N, and the parameter cotangents its final fine sweep
+        recorded (see `AdjointPropagator.gradients`); call under `torch.no_grad`."""
+        solver = self.adjoint_solver(grad_out)
+        prop: AdjointPropagator = solver.prop
+        prop.begin()
+        res = solver.solve(grad_out.detach().contiguous())
+        if prop.outputs is not None:
+            prop.outputs.clear()    # the forward pass's kept outputs are used up
+        return res, prop.gradients
+
+    def warm_states(self) -> dict[str, dict[tuple, Tensor | None]]:
+        """What the solvers of warm-started passes start from next, per pass ("forward",
+        "backward") and input (shape, dtype): what a checkpoint keeps so that a resumed run
+        continues exactly. Forward passes without gradients are not warm-started from."""
+        warm = {}
+        for kind, solvers in (("forward", self.forward_solvers),
+                              ("backward", self.adjoint_solvers)):
+            cfg = self.forward_config if kind == "forward" else self.backward_config
+            if cfg.initial_guess == "warm":
+                warm[kind] = {key[:2]: s.warm_states() for key, s in solvers.items()
+                              if s.has_solved and (kind == "backward" or key[3])}
+        return warm
+
+    def set_warm_states(self, warm: dict[str, dict[tuple, Tensor]],
+                        device: torch.device) -> None:
+        """Start the next passes from what `warm_states` returned (building their solvers
+        for inputs on `device`)."""
+        for kind, entries in warm.items():
+            for (shape, dtype), rows in entries.items():
+                like = torch.zeros(shape, dtype=dtype, device=device)
+                solver = (self.forward_solver(like, keep=True) if kind == "forward"
+                          else self.adjoint_solver(like))
+                solver.set_warm_states(rows)
