@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from .timing import seconds
+
 FLOORS = Path(__file__).with_name("floors.json")
 
 
@@ -42,50 +44,39 @@ class Pair:
     mgrit: Callable[[], object]
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def speedup(pair: Pair, rounds: int) -> dict[str, float]:
     """Alternated rounds after one warm-up run of each side; the fastest of each side."""
     pair.baseline()
     pair.mgrit()
     base, ours = [], []
     for _ in range(rounds):
-        base.append(_seconds(pair.baseline))
-        ours.append(_seconds(pair.mgrit))
+        base.append(seconds(pair.baseline))
+        ours.append(seconds(pair.mgrit))
     return {"baseline_seconds": min(base), "mgrit_seconds": min(ours),
             "speedup": min(base) / min(ours)}
 
 
 def w0_pairs() -> list[Pair]:
-    from mgrit import solve
+    from .workloads import w0_workload
 
-    from .bench import sequential, w0_case
-
-    case = w0_case()
-    return [Pair("w0 solve vs sequential", lambda: sequential(case),
-                 lambda: solve(case.prop, case.u0, case.num_steps, case.t0, case.t1,
-                               case.config))]
+    work = w0_workload()
+    return [Pair("w0 solve vs sequential", work.sequential, work.solve)]
 
 
 def w2_pairs() -> list[Pair]:
-    from .training import WORKLOADS, _forward_fn, _step_fn, build, sequential_variant
+    from .training import build, forward_fn, sequential_variant, train_step_fn
+    from .workloads import TRAINING_WORKLOADS
 
-    work = WORKLOADS["w2"]()
+    work = TRAINING_WORKLOADS["w2"]()
     x, y = work.inputs(torch.Generator().manual_seed(1))
     model, serial = build(work)
     stepped, _ = build(sequential_variant(work))
-    return [Pair("w2 forward vs serial pytorch", _forward_fn(serial, x), _forward_fn(model, x)),
-            Pair("w2 train vs serial pytorch", _step_fn(serial, work, x, y),
-                 _step_fn(model, work, x, y)),
-            Pair("w2 forward vs sequential", _forward_fn(stepped, x), _forward_fn(model, x)),
-            Pair("w2 train vs sequential", _step_fn(stepped, work, x, y),
-                 _step_fn(model, work, x, y))]
-
-
+    return [Pair("w2 forward vs serial pytorch", forward_fn(serial, x), forward_fn(model, x)),
+            Pair("w2 train vs serial pytorch", train_step_fn(serial, work, x, y),
+                 train_step_fn(model, work, x, y)),
+            Pair("w2 forward vs sequential", forward_fn(stepped, x), forward_fn(model, x)),
+            Pair("w2 train vs sequential", train_step_fn(stepped, work, x, y),
+                 train_step_fn(model, work, x, y))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,8 @@ Sections, each run in its own process and written to DIR/gpu_check.json as soon 
                     forward pass and training step, medians of --repeats
 A failing section is recorded with its error and the others still run; the exit status is
 1 if any failed, 2 without a CUDA device. `--device cpu` is a dry run of the script on a
-machine without a GPU: the kernel sections are skipped, executors and model_timing run on the CPU (where the
-stream executor is the loop).
+machine without a GPU: the kernel sections are skipped, executors and model_timing run on
+the CPU (where the stream executor is the loop).
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +37,9 @@ import torch
 import mgrit
 from mgrit.kernels import cuda as kernels
 
-from benchmarks import training as bench_train
+from benchmarks.timing import median_seconds
+from benchmarks.training import build, forward_fn, train_step_fn
+from benchmarks.workloads import TRAINING_WORKLOADS, TrainingWorkload
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 # (B, S, d): the timing shapes, partial sample tiles, widths off the warp size, the
@@ -99,49 +99,16 @@ def kernels_vs_twins(device: torch.device, records: list[dict[str, Any]]) -> Non
         raise AssertionError(f"{len(failures)} kernel results exceed the tolerance: {failures}")
 
 
-def _median_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int,
-                    calls: int = 1) -> float:
-    """Median over repeats of the time per call of `calls` back-to-back calls."""
-    fn()  # warm-up: solver storage, kernels, library handles
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def kernel_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
     for dtype in TOLERANCE:
         for B, S, d in TIMING_SHAPES:
             for name, (kernel, twin) in _pairs(_problem(B, S, d, dtype, device), 0.25).items():
-                k = _median_seconds(kernel, torch.cuda.synchronize, repeats, KERNEL_CALLS)
-                t = _median_seconds(twin, torch.cuda.synchronize, repeats, KERNEL_CALLS)
+                k = median_seconds(kernel, repeats, torch.cuda.synchronize, KERNEL_CALLS)
+                t = median_seconds(twin, repeats, torch.cuda.synchronize, KERNEL_CALLS)
                 records.append({"kernel": name, "dtype": str(dtype), "B": B, "S": S, "d": d,
                                 "kernel_us": k * 1e6, "twin_us": t * 1e6, "speedup": t / k})
                 print(f"  {name:>15} {str(dtype):>13} B={B} S={S:<3} d={d}: kernel "
                       f"{k * 1e6:8.1f} us, twin {t * 1e6:8.1f} us, speedup {t / k:5.2f}")
-
-
-def _step(model: torch.nn.Module, work: bench_train.Workload, x: torch.Tensor,
-          y: torch.Tensor) -> Callable[[], None]:
-    opt = work.optimizer(model.parameters())
-
-    def train_step() -> None:
-        opt.zero_grad()
-        work.loss(model(x), y).backward()
-        opt.step()
-    return train_step
-
-
-def _forward(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    def forward() -> None:
-        with torch.no_grad():
-            model(x)
-    return forward
 
 
 # executor variants: the solver options each sets, forward and backward
@@ -150,16 +117,10 @@ EXECUTORS = {"loop": {"execution": "loop"}, "batched": {"execution": "batched"},
              "cuda graphs": {"execution": "batched", "cuda_graphs": True}}
 
 
-def _with_execution(work: bench_train.Workload, variant: str) -> bench_train.Workload:
-    options = EXECUTORS[variant]
-    return replace(work, forward=replace(work.forward, **options),
-                   backward=replace(work.backward, **options))
-
-
-def _one_step(work: bench_train.Workload, device: torch.device, dtype: torch.dtype
+def _one_step(work: TrainingWorkload, device: torch.device, dtype: torch.dtype
               ) -> list[torch.Tensor]:
     """A training step's output and every parameter's gradient, from the same weights."""
-    model, _ = bench_train.build(work)
+    model, _ = build(work)
     model = model.to(device=device, dtype=dtype)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     out = model(x.to(device=device, dtype=dtype))
@@ -172,12 +133,12 @@ def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     failures = []
     for name in workloads:
-        work = bench_train.WORKLOADS[name]()
+        work = TRAINING_WORKLOADS[name]()
         print(f"  {work.description}")
         for dtype, tolerance in EXECUTOR_TOLERANCE.items():
-            twin = _one_step(_with_execution(work, "loop"), device, dtype)
+            twin = _one_step(work.with_solver(**EXECUTORS["loop"]), device, dtype)
             for execution in [e for e in EXECUTORS if e != "loop"]:
-                got = _one_step(_with_execution(work, execution), device, dtype)
+                got = _one_step(work.with_solver(**EXECUTORS[execution]), device, dtype)
                 err = max(_relative_error(a, b) for a, b in zip(got, twin))
                 ok = err <= tolerance
                 records.append({"workload": name, "execution": execution, "dtype": str(dtype),
@@ -188,11 +149,11 @@ def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
                     failures.append(records[-1])
         x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
         for execution in EXECUTORS:
-            model, _ = bench_train.build(_with_execution(work, execution))
+            model, _ = build(work.with_solver(**EXECUTORS[execution]))
             model = model.to(device)
-            for metric, fn in (("forward", _forward(model, x)),
-                               ("train_step", _step(model, work, x, y))):
-                seconds = _median_seconds(fn, sync, repeats)
+            for metric, fn in (("forward", forward_fn(model, x)),
+                               ("train_step", train_step_fn(model, work, x, y))):
+                seconds = median_seconds(fn, repeats, sync)
                 records.append({"workload": name, "execution": execution, "metric": metric,
                                 "seconds": seconds})
                 print(f"  {metric:>10} {execution:>11}: {seconds * 1e3:9.2f} ms")
@@ -204,9 +165,9 @@ def executors(device: torch.device, repeats: int, records: list[dict[str, Any]],
 def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for name in ("w2", "w2b"):
-        work = bench_train.WORKLOADS[name]()
+        work = TRAINING_WORKLOADS[name]()
         print(f"  {work.description}")
-        model, serial = bench_train.build(work)
+        model, serial = build(work)
         model, serial = model.to(device), serial.to(device)
         x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
         with torch.no_grad():  # before either is trained
@@ -218,9 +179,9 @@ def model_timing(device: torch.device, repeats: int, records: list[dict[str, Any
         print(f"  eval output vs serial: max relative error {error:.2e}")
         serial_seconds = {}
         for method, net in (("serial pytorch", serial), ("layer-parallel mgrit", model)):
-            for metric, fn in (("forward", _forward(net, x)),
-                               ("train_step", _step(net, work, x, y))):
-                seconds = _median_seconds(fn, sync, repeats)
+            for metric, fn in (("forward", forward_fn(net, x)),
+                               ("train_step", train_step_fn(net, work, x, y))):
+                seconds = median_seconds(fn, repeats, sync)
                 serial_seconds.setdefault(metric, seconds)
                 ratio = seconds / serial_seconds[metric]
                 records.append({"workload": name, "method": method, "metric": metric,

@@ -1,4 +1,4 @@
-"""Training benchmarks: W1 and W2 step times, W3 accuracy (DESIGN.md section 6).
+"""Training benchmarks: W1 and W2 step times, W3 accuracy (docs/design.md, section 6).
 
 Serial PyTorch runs in the calling process; the layer-parallel model runs in this process
 for one rank and under `mpiexec -n P` for more. Every figure is a ratio of methods timed
@@ -7,73 +7,27 @@ in the same invocation.
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from mgrit.app.data import digits
-from mgrit.app.train import evaluate, train_epoch
+from mgrit.app.loop import evaluate, train_epoch, train_step
 from mgrit.core.config import Config
 from mgrit.kernels.choice import torch_kernels
-from mgrit.nn import LayerParallel, serial_resnet
+from mgrit.nn import LayerParallel
+from mgrit.nn.defaults import training_config
 from mgrit.kernels.steps import is_dense_tanh
 
-from . import workloads as models
 from .baselines import GPipe, LayerwiseModelParallel
+from .timing import median_seconds
+from .workloads import TRAINING_WORKLOADS, W3_SETTINGS, TrainingWorkload, digits_dense
 
 
-@dataclass
-class Workload:
-    name: str
-    description: str
-    network: Callable[[], models.Network]
-    forward: Config
-    backward: Config
-    inputs: Callable[[torch.Generator], tuple[Tensor, Tensor]]
-    loss: Callable[[Tensor, Tensor], Tensor]
-    optimizer: Callable[[Any], torch.optim.Optimizer]
-    microbatches: int = 1           # of the GPipe baseline
-
-
-def _mgrit_configs(levels: int = 3, coarsening: int = 4) -> tuple[Config, Config]:
-    relax = ("F",) + ("FCF",) * (levels - 2)
-    common = dict(levels=levels, coarsening=coarsening, relax=relax, tol=0.0, min_coarse=1)
-    return Config(max_iter=2, **common), Config(max_iter=1, **common)
-
-
-def _w1() -> Workload:
-    fwd, bwd = _mgrit_configs()
-    return Workload(
-        "w1", "conv ResNet, 3 channels, 28x28, N = 32, batch 50, SGD(0.01, 0.9); MGRIT 3 "
-        "levels, m = 4, F/FCF, 2 forward and 1 backward cycle", models.w1, fwd, bwd,
-        lambda g: (torch.randn(50, 1, 28, 28, generator=g), torch.randint(0, 10, (50,), generator=g)),
-        nn.functional.nll_loss, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-        microbatches=5)
-
-
-def _w2(batch: int = 1) -> Workload:
-    fwd, bwd = _mgrit_configs(levels=4)
-    name = "w2" if batch == 1 else "w2b"
-    return Workload(
-        name, f"dense tanh ResNet, width 32, N = 1024, batch {batch}, SGD(0.01); MGRIT 4 "
-        "levels, m = 4, F/FCF/FCF, 2 forward and 1 backward cycle, batched relaxation",
-        models.w2, fwd, bwd,
-        lambda g: (torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)),
-        nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
-        microbatches=min(batch, 4))
-
-
-WORKLOADS: dict[str, Callable[[], Workload]] = {"w1": _w1, "w2": _w2,
-                                                "w2b": lambda: _w2(batch=32)}
-
-
-def sequential_variant(work: Workload) -> Workload:
+def sequential_variant(work: TrainingWorkload) -> TrainingWorkload:
     """The workload stepped sequentially (levels=1, one pass each way) through the same
     LayerParallel code and kernels: what mgrit's kernels give without the algorithm."""
     sequential = Config(levels=1, tol=0.0, max_iter=1)
@@ -81,54 +35,33 @@ def sequential_variant(work: Workload) -> Workload:
                    backward=replace(sequential, execution=work.backward.execution))
 
 
-def build(work: Workload, seed: int = 0, comm: Any = None) -> tuple[nn.Module, nn.Module]:
+def build(work: TrainingWorkload, seed: int = 0, comm: Any = None
+          ) -> tuple[LayerParallel, nn.Sequential]:
     """(layer-parallel model, serial network) with the same initial weights."""
     torch.manual_seed(seed)
-    net = work.network()
-    model = LayerParallel(net.step, net.num_steps, net.t_final, work.forward, work.backward,
-                          comm=comm, opening=net.opening, closing=net.closing)
+    model = work.network().layer_parallel(forward=work.forward, backward=work.backward,
+                                          comm=comm)
     torch.manual_seed(seed)
-    net = work.network()
-    serial = serial_resnet(net.step, net.num_steps, net.t_final, net.opening, net.closing)
-    return model, serial
+    return model, work.network().serial()
 
 
-def _step_fn(model: nn.Module, work: Workload, x: Tensor, y: Tensor,
-             after_forward: Callable[[], None] | None = None) -> Callable[[], None]:
-    """One optimizer step; `after_forward` is called once the output is there."""
-    opt = work.optimizer(model.parameters())
-
-    def step() -> None:
-        opt.zero_grad()
-        out = model(x)
-        if after_forward is not None:
-            after_forward()
-        work.loss(out, y).backward()
-        opt.step()
-    return step
+def train_step_fn(model: nn.Module, work: TrainingWorkload, x: Tensor, y: Tensor,
+                  after_forward: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A callable of one training step of `model` on (x, y) with the workload's loss and
+    optimizer (made once, here); `after_forward` as in `train_step`."""
+    optimizer = work.optimizer(model.parameters())
+    return lambda: train_step(model, optimizer, work.loss, x, y, after_forward)
 
 
-def _forward_fn(model: nn.Module, x: Tensor) -> Callable[[], None]:
+def forward_fn(model: nn.Module, x: Tensor) -> Callable[[], None]:
+    """A callable of one forward pass of `model` on x, without gradients."""
     def forward() -> None:
         with torch.no_grad():
             model(x)
     return forward
 
 
-def _median(fn: Callable[[], None], repeats: int, barrier: Callable[[], None] = lambda: None
-            ) -> float:
-    fn()  # warm-up: solver storage, kernels
-    times = []
-    for _ in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def gradient_quality(work: Workload) -> dict[str, float]:
+def gradient_quality(work: TrainingWorkload) -> dict[str, float]:
     """Cosine similarity and relative error of the layer-parallel gradient (the workload's
     cycles) against serial autograd's exact gradient, and the relative error of the
     layer-parallel forward pass's output against the serial one, at the same weights and
@@ -160,20 +93,21 @@ def _gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[T
     return pairs
 
 
-def serial_times(work: Workload, repeats: int) -> dict[str, float]:
+def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
     _, serial = build(work)
     x, y = work.inputs(torch.Generator().manual_seed(1))
-    return {"train_step": _median(_step_fn(serial, work, x, y), repeats),
-            "forward": _median(_forward_fn(serial, x), repeats)}
+    return {"train_step": median_seconds(train_step_fn(serial, work, x, y), repeats),
+            "forward": median_seconds(forward_fn(serial, x), repeats)}
 
 
-def layer_parallel_times(work: Workload, repeats: int, comm: Any = None) -> dict[str, Any]:
+def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None
+                         ) -> dict[str, Any]:
     model, _ = build(work, comm=comm)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     barrier = comm.Barrier if comm is not None else (lambda: None)
-    step = _median(_step_fn(model, work, x, y), repeats, barrier)
+    step = median_seconds(train_step_fn(model, work, x, y), repeats, barrier)
     stats = dict(model.stats)
-    forward = _median(_forward_fn(model, x), repeats, barrier)
+    forward = median_seconds(forward_fn(model, x), repeats, barrier)
     return {"train_step": step, "forward": forward, "stats": stats}
 
 
@@ -181,7 +115,7 @@ TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
 
 
-def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
+def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None
                            ) -> dict[str, dict[str, Any]]:
     """The layer-parallel model's times; for a network whose layers have native kernels
     (convolutions, dense tanh steps) also with torch's kernels only (MGRIT_NATIVE=torch),
@@ -195,42 +129,43 @@ def layer_parallel_methods(work: Workload, repeats: int, comm: Any = None
     return out
 
 
-def baseline_times(work: Workload, repeats: int, comm: Any) -> dict[str, dict[str, float]]:
+def baseline_times(work: TrainingWorkload, repeats: int, comm: Any
+                   ) -> dict[str, dict[str, float]]:
     """Layer-wise model parallelism and GPipe over the ranks of `comm`, same network."""
     x, y = work.inputs(torch.Generator().manual_seed(1))
     _, serial = build(work)
     layerwise = LayerwiseModelParallel(serial, comm, x, work.loss, work.optimizer)
     out = {"layer-wise model parallel": {
-        "train_step": _median(lambda: layerwise.train_step(x, y), repeats, comm.Barrier),
-        "forward": _median(lambda: layerwise.forward(x), repeats, comm.Barrier)}}
+        "train_step": median_seconds(lambda: layerwise.train_step(x, y), repeats,
+                                     comm.Barrier),
+        "forward": median_seconds(lambda: layerwise.forward(x), repeats, comm.Barrier)}}
     _, serial = build(work)
     gpipe = GPipe(serial, comm, work.microbatches, work.loss, work.optimizer)
     out[f"gpipe pipeline ({work.microbatches} micro-batches)"] = {
-        "train_step": _median(lambda: gpipe.train_step(x, y), repeats, comm.Barrier)}
+        "train_step": median_seconds(lambda: gpipe.train_step(x, y), repeats, comm.Barrier)}
     return out
 
 
-def worker(name: str, repeats: int, out: Path) -> None:
+def worker(name: str, repeats: int) -> dict[str, Any] | None:
     """Under mpiexec: time the layer-parallel model and, on more than one rank, the
-    baselines, all in this one launch; rank 0 writes JSON."""
+    baselines, all in this one launch (W3: train it). The record on rank 0, None elsewhere."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if name == "w3":
         record = train_digits(comm=comm)
     else:
-        work = WORKLOADS[name]()
+        work = TRAINING_WORKLOADS[name]()
         record = layer_parallel_methods(work, repeats, comm)
         if comm.size > 1:
             record.update(baseline_times(work, repeats, comm))
-    if comm.rank == 0:
-        out.write_text(json.dumps({"ranks": comm.size, **record}))
+    return {"ranks": comm.size, **record} if comm.rank == 0 else None
 
 
 def timing_records(name: str, ranks: list[int], repeats: int,
                    launch: Callable[[str, int, int], dict]) -> list[dict[str, Any]]:
     """Serial PyTorch and the layer-parallel model on each rank count, as records."""
-    work = WORKLOADS[name]()
+    work = TRAINING_WORKLOADS[name]()
     serial = serial_times(work, repeats)
     runs = {p: layer_parallel_methods(work, repeats) if p == 1 else launch(name, p, repeats)
             for p in ranks}
@@ -258,7 +193,7 @@ def timing_records(name: str, ranks: list[int], repeats: int,
 
 
 def print_timing(name: str, records: list[dict[str, Any]]) -> None:
-    work = WORKLOADS[name]()
+    work = TRAINING_WORKLOADS[name]()
     print(f"{name.upper()}: {work.description}")
     print(f"{'metric':>10}  {'method':>40}  {'ranks':>5}  {'ms':>9}  {'vs serial':>9}  "
           f"{'efficiency':>10}")
@@ -277,23 +212,18 @@ def print_timing(name: str, records: list[dict[str, Any]]) -> None:
 
 # W3: accuracy on digits -----------------------------------------------------------------
 
-W3_SETTINGS = dict(width=32, num_steps=32, epochs=30, batch_size=32, lr=0.05, seed=0)
-
-
 def train_digits(comm: Any = None, serial: bool = False, **overrides: Any) -> dict[str, Any]:
     """Train W3's network on digits, layer-parallel (or serially) with a fixed seed; returns
     test accuracy (and, layer-parallel, the exported serial model's accuracy)."""
     s = {**W3_SETTINGS, **overrides}
     split = digits()
     torch.manual_seed(s["seed"])
-    net = models.digits_dense(s["width"], s["num_steps"])
+    net = digits_dense(s["width"], s["num_steps"])
     if serial:
-        model: nn.Module = serial_resnet(net.step, net.num_steps, net.t_final, net.opening,
-                                         net.closing)
+        model: nn.Module = net.serial()
     else:
-        fwd, bwd = _mgrit_configs()
-        model = LayerParallel(net.step, net.num_steps, net.t_final, fwd, bwd, comm=comm,
-                              opening=net.opening, closing=net.closing)
+        model = net.layer_parallel(forward=training_config("forward"),
+                                   backward=training_config("backward"), comm=comm)
     opt = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=0.9)
     gen = torch.Generator().manual_seed(s["seed"])
     loss_fn = nn.functional.cross_entropy

@@ -1,4 +1,5 @@
-"""Layer-parallel training in a plain PyTorch loop.
+"""Layer-parallel training in an ordinary PyTorch loop; each step is `train_step`: zero the
+gradients, forward pass and loss, backward pass, optimizer step.
 
     python examples/train_digits.py --epochs 10
     mpiexec -n 2 python -m mpi4py examples/train_digits.py --epochs 10
@@ -12,6 +13,7 @@ from torch import nn
 
 import mgrit
 from mgrit.app.data import batches, digits
+from mgrit.app.loop import train_step
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=10)
@@ -34,10 +36,7 @@ order = torch.Generator().manual_seed(0)
 for epoch in range(1, args.epochs + 1):
     model.train()
     for x, y in batches(split.x_train, split.y_train, 32, order):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
+        loss, _ = train_step(model, optimizer, nn.functional.cross_entropy, x, y)
     model.eval()
     with torch.no_grad():
         accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.bench import W0_REFERENCE
+from benchmarks.workloads import W0_REFERENCE
 
 
 def _mgrit(*args, check=True):
@@ -79,3 +79,4 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     assert grad["forward_cycles"] == 2 and grad["backward_cycles"] == 1
     # two forward cycles of a 4-level solve: close to the serial output, not equal to it
     assert 1e-12 < grad["output_relative_error"] < 0.1
+

@@ -207,7 +207,7 @@ def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(na
                             (choice.native_backend(), os.environ.get("MGRIT_NATIVE"),
                              work.forward.levels, work.backward.levels)) or {})
     monkeypatch.setenv("MGRIT_NATIVE", "auto")
-    work = bench_train.WORKLOADS[name]()
+    work = bench_train.TRAINING_WORKLOADS[name]()
     out = bench_train.layer_parallel_methods(work, 1)
     assert list(out) == methods
     levels = (work.forward.levels, work.backward.levels)

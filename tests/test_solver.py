@@ -10,7 +10,7 @@ from mgrit.core.propagator import Capabilities, StepBatch
 from mgrit.execute import make_executor
 from mgrit.problems import Dahlquist, DenseResNet
 
-from benchmarks.bench import W0_REFERENCE
+from benchmarks.workloads import W0_REFERENCE
 
 from cases import heat_problem, relative_error, resnet_problem
 

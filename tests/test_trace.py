@@ -17,8 +17,9 @@ from mgrit.comm.tracing import Tracer, TracingComm
 from mgrit.comm.virtual import VirtualFailure, run_ranks
 from mgrit.kernels.choice import torch_kernels
 
-from benchmarks.scaling import (KernelCosts, compare, layerwise_traces, merge_records,
-                                network_from, serial_seconds, virtual_checks)
+from benchmarks.scaling.serial import layerwise_traces, serial_seconds
+from benchmarks.scaling.validation import compare, merge_records, network_from, virtual_checks
+from benchmarks.scaling.virtual import KernelCosts
 
 from cases import resnet_problem
 from nets import build, data, owned_pairs, relative
@@ -319,7 +320,8 @@ def test_layerwise_model_parallelism_is_serial_plus_two_chains_of_messages():
 def test_virtual_points_run_in_rounds_and_keep_the_fastest(monkeypatch):
     """Every point's fresh processes are spread over rounds (one per point per round), so
     a slow phase of the machine cannot take all of one point's; the fastest counts."""
-    import benchmarks.scaling as scaling
+    import benchmarks.scaling.virtual as scaling
+    from benchmarks.scaling.cases import ScalingCase
 
     order, times = [], iter([5.0, 4.0, 3.0, 6.0, 1.0, 2.0])
 
@@ -329,7 +331,7 @@ def test_virtual_points_run_in_rounds_and_keep_the_fastest(monkeypatch):
         return {"predictions": {"net": {"seconds": t, "forward_seconds": t / 2}},
                 "kernels": []}
     monkeypatch.setattr(scaling, "fresh", fake_fresh)
-    case = scaling.Case("t", "w2", 16, costed=False, processes=3)
+    case = ScalingCase("t", "w2", 16, costed=False, processes=3)
     done = []
     points = scaling.fastest_points([(case, 1), (case, 2)], {"net": NET},
                                     lambda c, p, point, s: done.append(p))

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import demo
 from .data import DataError
+from .launch import LaunchError
 from .settings import SettingsError, load, parse_override
 
 # flag -> (section, key); each overrides the config file
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 "demo": demo.run, "replay": run_replay}
     try:
         return handlers[args.command](args)
-    except (SettingsError, DataError, OSError, ValueError, TypeError, ImportError) as err:
+    except (SettingsError, DataError, LaunchError, OSError, ValueError, TypeError,
+            ImportError) as err:
         rank = 0
         if args.command == "train" and "mpi4py.MPI" in sys.modules:
             rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()

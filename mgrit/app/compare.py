@@ -6,15 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import plot
+from . import launch, plot
 from ..core.config import Config
 from ..core.cycle import DivergenceError, solve
 from ..problems import Dahlquist, Heat1D, ModuleResNet
@@ -38,18 +36,15 @@ def train_both(settings: Settings, out: Path, ranks: int) -> dict[str, Path]:
     if ranks == 1:
         Run(lp).run()
     else:
-        from .launch import mpiexec
-
         folders["layer-parallel"].mkdir(parents=True, exist_ok=True)
         config = folders["layer-parallel"] / "requested-settings.json"
         config.write_text(json.dumps(lp.as_dict(), indent=2))
-        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mgrit",
-               "train", "--config", str(config)]
-        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        sys.stderr.write(proc.stdout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"layer-parallel training failed: {' '.join(cmd)}")
+        # no timeout: the run is as long as the settings make it, and under mpi4py an
+        # error on one rank ends them all
+        done = launch.run(ranks, ["-m", "mgrit", "train", "--config", str(config)],
+                          timeout=None, merge_output=True)
+        sys.stderr.write(done.stdout)
+        done.check()
     return folders
 
 

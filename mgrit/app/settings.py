@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import Config
+from ..nn.defaults import training_options
 
 DATASETS = ("digits", "peaks", "mnist1d", "mnist", "fashion-mnist", "cifar10")
 NETWORKS = ("dense", "conv")
@@ -64,12 +65,15 @@ class OutputSettings:
     trace: int = 0                  # record this many training steps to OUT/trace.json
 
 
-SOLVER_DEFAULTS = {
-    "forward": dict(levels=3, coarsening=4, relax=["F", "FCF"], max_iter=2, tol=0.0,
-                    min_coarse=1),
-    "backward": dict(levels=3, coarsening=4, relax=["F", "FCF"], max_iter=1, tol=0.0,
-                     min_coarse=1),
-}
+def _solver_defaults(direction: str) -> dict[str, Any]:
+    """Training's solver options (mgrit.nn.defaults) as settings hold them: per-level
+    values as lists, as a TOML, YAML or JSON file writes them."""
+    return {key: list(value) if isinstance(value, tuple) else value
+            for key, value in training_options(direction).items()}
+
+
+SOLVER_DEFAULTS = {direction: _solver_defaults(direction)
+                   for direction in ("forward", "backward")}
 SOLVER_KEYS = tuple(f.name for f in fields(Config))
 
 

@@ -1,4 +1,5 @@
-"""Training runs: the loops, the `mgrit train` job (metrics, progress, checkpoints, export)."""
+"""The `mgrit train` job: a training run with metrics, progress, checkpoints, traces and
+export; each of its steps is `loop.train_step`."""
 
 from __future__ import annotations
 
@@ -18,43 +19,10 @@ from ..nn import LayerParallel, serial_resnet
 from ..nn.blocks import ResNetSpec, conv_step, dense_step
 from . import data as datasets
 from .data import batches
+from .loop import evaluate, train_step
 from .settings import Settings, SettingsError
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
 log = logging.getLogger("mgrit.train")
-
-
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
-                batch_size: int, generator: torch.Generator, loss_fn: LossFn,
-                on_step: Callable[[int, float], None] | None = None) -> float:
-    """One pass over (x, y) in a shuffled order; returns the mean training loss."""
-    model.train()
-    total, count = 0.0, 0
-    for xb, yb in batches(x, y, batch_size, generator):
-        optimizer.zero_grad()
-        loss = loss_fn(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        value = float(loss.detach())
-        total += value
-        count += 1
-        if on_step is not None:
-            on_step(count, value)
-    return total / max(count, 1)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: Tensor, y: Tensor, loss_fn: LossFn,
-             batch_size: int = 512) -> tuple[float, float]:
-    """(mean loss, accuracy) over (x, y), in order, every example counted once."""
-    model.eval()
-    total_loss, correct = 0.0, 0
-    for start in range(0, len(x), batch_size):
-        out = model(x[start: start + batch_size])
-        yb = y[start: start + batch_size]
-        total_loss += float(loss_fn(out, yb)) * len(yb)
-        correct += int((out.argmax(dim=1) == yb).sum())
-    return total_loss / len(x), correct / len(x)
 
 
 # the network of a run ------------------------------------------------------------------
@@ -337,19 +305,14 @@ class Run:
                                                 t.batch_size, self.generator), 1):
             xb, yb = self._batch_part(xb, yb)
             tracing = self._trace_step(epoch, step)
+            mark = (lambda: self.tracer.mark(f"forward{step - 1}")) if tracing else None
             t0 = time.perf_counter()
-            self.optimizer.zero_grad()
-            out = self.model(xb)
-            loss = self.loss_fn(out, yb)
-            if tracing:
-                self.tracer.mark(f"forward{step - 1}")
-            loss.backward()
-            self.optimizer.step()
+            loss, out = train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
             seconds = time.perf_counter() - t0
             if tracing:
                 self._traced(step - 1, seconds)
-            value = self._mean(float(loss.detach()))
-            correct += int((out.detach().argmax(1) == yb).sum())
+            value = self._mean(float(loss))
+            correct += int((out.argmax(1) == yb).sum())
             seen += len(yb)
             losses.append(value)
             stats = getattr(self.model, "stats", {})

@@ -11,10 +11,10 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]
+sys.path.insert(0, str(Path(__file__).parent.parent))  # cases.py, nets.py
 import mgrit  # noqa: E402
+from mgrit.app.launch import report  # noqa: E402
 from nets import build, cosine, data, owned_pairs, relative  # noqa: E402
-from reporting import report  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -156,4 +156,4 @@ elif mode == "bad-batch":
     except ValueError as err:
         results["error"] = str(err)
 
-report(world.rank, size=world.size, results=results)
+report({"size": world.size, "results": results})

@@ -1,15 +1,13 @@
 """Rank 1 passes a different setting; every rank must get the error before any exchange."""
 
 import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).parent))
-import mgrit  # noqa: E402
-from mgrit.problems import Dahlquist  # noqa: E402
-from reporting import report  # noqa: E402
+import mgrit
+from mgrit.app.launch import report
+from mgrit.problems import Dahlquist
 
 comm = MPI.COMM_WORLD
 what = sys.argv[1]
@@ -23,6 +21,6 @@ try:
     message = None
 except ValueError as err:
     message = str(err)
-report(comm.rank, error=message)
+report({"error": message})
 comm.Barrier()
 sys.exit(3 if message else 0)

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]
+sys.path.insert(0, str(Path(__file__).parent.parent))  # cases.py, nets.py
 import mgrit  # noqa: E402
+from mgrit.app.launch import report  # noqa: E402
 from cases import dahlquist_problem, heat_problem, resnet_problem  # noqa: E402
-from reporting import report  # noqa: E402
 
 torch.set_num_threads(1)
 comm = MPI.COMM_WORLD
@@ -85,4 +85,4 @@ for name, (prop, u0), t1, _ in problems():
     if runs[0].residuals != runs[1].residuals or not torch.equal(runs[0].states, runs[1].states):
         failures.append(f"{name}: tol=0 {runs[0].residuals} vs tol=1e-300 {runs[1].residuals}")
 
-report(comm.rank, size=comm.size, cases=cases, failures=failures[:20])
+report({"size": comm.size, "cases": cases, "failures": failures[:20]})

@@ -6,15 +6,12 @@ that they finished.
 """
 
 import sys
-from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
-sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]
-from benchmarks.scaling import validation_record  # noqa: E402
-from reporting import report  # noqa: E402
+from benchmarks.scaling.validation import validation_record
+from mgrit.app.launch import report
 
 torch.set_num_threads(1)
 record = validation_record(cases=("w0", "w2"), repeats=int(sys.argv[1]))
-report(MPI.COMM_WORLD.rank, record=record)
+report({"record": record})

@@ -1,0 +1,87 @@
+"""What the scaling study runs: its cases (training workloads at a depth, with a hierarchy),
+the model each rank builds for them, and how a repeated time is read."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from mgrit.comm.tracing import Tracer
+from mgrit.nn import LayerParallel
+from mgrit.nn.blocks import ResNetSpec
+from mgrit.nn.defaults import training_options
+
+from .. import workloads
+from ..training import train_step_fn
+from ..workloads import TRAINING_WORKLOADS, TrainingWorkload
+
+
+@dataclass(frozen=True)
+class ScalingCase:
+    """A training workload of `benchmarks.workloads` at `num_steps` layers. `costed`: in
+    virtual runs convolutions are charged from a cost table instead of computed. `levels`:
+    a different MGRIT hierarchy depth (F-relaxation on the fine level, FCF below).
+    `repeats`: traced training steps per virtual run; `processes`: virtual runs per point,
+    each in a fresh process (the prediction is the fastest of all)."""
+
+    name: str
+    workload: str
+    num_steps: int
+    costed: bool
+    levels: int | None = None
+    repeats: int = 3
+    processes: int = 1
+
+    def work(self, num_steps: int | None = None) -> TrainingWorkload:
+        n = self.num_steps if num_steps is None else num_steps
+        network = {"w1": workloads.w1, "w2": workloads.w2}[self.workload]
+        work = replace(TRAINING_WORKLOADS[self.workload](), network=lambda: network(num_steps=n))
+        if self.levels is None:
+            return work
+        return work.with_solver(levels=self.levels,
+                                relax=training_options("forward", self.levels)["relax"])
+
+
+CURVES = {"w2": ScalingCase("w2", "w2", 1024, costed=False, repeats=3, processes=3),
+          "w1-1024": ScalingCase("w1-1024", "w1", 1024, costed=True, repeats=1)}
+CHECKS = {"w2": CURVES["w2"], "w1": ScalingCase("w1", "w1", 32, costed=True, processes=2)}
+W0_PROCESSES = 3
+
+
+def fastest(times: Iterable[float]) -> float:
+    """The time of a repeated measurement: the fastest repeat. On a shared machine slow
+    phases (up to twice the time, lasting from milliseconds to seconds) come and go; the
+    lower envelope is what repeats from run to run, and every time here, measured or
+    predicted, is taken the same way."""
+    return min(times)
+
+
+def setup(work: TrainingWorkload, seed: int = 0
+          ) -> tuple[ResNetSpec, list[nn.Module], Tensor, Tensor]:
+    """The network, its layers (built in serial order, as every rank would) and a batch."""
+    torch.manual_seed(seed)
+    net = work.network()
+    layers = [net.step() for _ in range(net.num_steps)]
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    return net, layers, x, y
+
+
+def shared_model(work: TrainingWorkload, net: ResNetSpec, layers: list[nn.Module], comm: Any
+                 ) -> LayerParallel:
+    """A LayerParallel whose step factory hands out `layers` in order (so virtual ranks
+    share one set of initial weights instead of each drawing all of them again)."""
+    given = iter(layers)
+    return LayerParallel(lambda: next(given), net.num_steps, net.t_final, work.forward,
+                         work.backward, comm=comm, opening=copy.deepcopy(net.opening),
+                         closing=copy.deepcopy(net.closing))
+
+
+def traced_step(model: nn.Module, work: TrainingWorkload, x: Tensor, y: Tensor,
+                tracer: Tracer | None = None) -> Callable[[], None]:
+    """One optimiser step; the tracer (if any) marks "forward" when the loss is there."""
+    return train_step_fn(model, work, x, y,
+                         None if tracer is None else lambda: tracer.mark("forward"))

@@ -1,0 +1,191 @@
+"""The scaling study: predicted speedups of layer-parallel training past this machine
+(docs/design.md, section 7; docs/scaling.md), written to OUT_DIR/scaling.json and
+OUT_DIR/scaling.png, with its tables printed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mgrit.app.replay import Interconnect, replay
+from mgrit.kernels.choice import torch_kernels
+
+from .cases import CHECKS, CURVES, ScalingCase
+from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
+from .validation import network_from, validation
+from .virtual import fastest_points, fresh
+
+log = logging.getLogger(__name__)
+
+RANKS = [2 ** k for k in range(1, 11)]
+# An assumed cluster interconnect (InfiniBand-class MPI: a few microseconds, ~10 GB/s); the
+# per-message CPU overhead is this implementation's, measured on this machine.
+CLUSTER_LATENCY, CLUSTER_BANDWIDTH = 5e-6, 10e9
+LITERATURE_SPEEDUP = 10.2   # Kirby et al. 2020, over layer-wise model parallelism, GPUs
+
+
+def curve(case: ScalingCase, ranks: list[int], networks: dict[str, Interconnect]
+          ) -> list[dict[str, Any]]:
+    """Predicted MGRIT times of one case per rank count and network (`add_baselines`
+    completes the rows)."""
+    def done(case: ScalingCase | None, p: int, point: dict[str, Any], seconds: float) -> None:
+        last = list(point["predictions"].values())[-1]      # of the last network given
+        log.info("%s, %d ranks: %.2f ms per training step (%.0f s)", case.name, p,
+                 last["seconds"] * 1e3, seconds)
+
+    rows = []
+    for p, point in zip(ranks, fastest_points([(case, p) for p in ranks], networks, done)):
+        for label in networks:
+            pred = point["predictions"][label]
+            rows.append({"case": case.name, "network": label, "ranks": p,
+                         "num_steps": case.num_steps, "mgrit_train": pred["seconds"],
+                         "mgrit_forward": pred["forward_seconds"],
+                         "busy_mean": pred["busy_mean"], "critical": pred["critical"],
+                         "kernels": point["kernels"]})
+    return rows
+
+
+def add_baselines(rows: list[dict[str, Any]], serial: dict[str, Any],
+                  networks: dict[str, Interconnect]) -> None:
+    """Serial and layer-wise model-parallel times, and the speedups, into curve rows."""
+    for row in rows:
+        n, p, network = row["num_steps"], row["ranks"], networks[row["network"]]
+        serial_train = serial_seconds(serial, n, ("forward", "backward", "update"))
+        serial_forward = serial_seconds(serial, n, ("inference",))
+        mp_train = replay(layerwise_traces(serial, n, p, train=True), network).total
+        mp_forward = replay(layerwise_traces(serial, n, p, train=False), network).total
+        row.update({
+            "serial_train": serial_train, "serial_forward": serial_forward,
+            "layerwise_train": mp_train, "layerwise_forward": mp_forward,
+            "speedup_vs_serial": serial_train / row["mgrit_train"],
+            "speedup_vs_layerwise": mp_train / row["mgrit_train"],
+            "forward_speedup_vs_serial": serial_forward / row["mgrit_forward"],
+            "forward_speedup_vs_layerwise": mp_forward / row["mgrit_forward"]})
+
+
+def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 256)
+          ) -> dict[str, Any]:
+    """Everything docs/scaling.md reports: validation on 1 and 2 MPI ranks, the measured
+    network, serial costs, the predicted curves (W1 from 2 ranks: one rank would hold all
+    1024 conv layers' states) and hierarchy-depth variants of W2. Every method computes
+    with torch's kernels, no native convolutions or dense steps (the virtual ranks charge
+    W1's convolutions from measurements of torch's), so that the ratios compare methods,
+    not kernels."""
+    with torch_kernels():
+        return _study(ranks, variant_ranks)
+
+
+def _study(ranks: list[int] | None, variant_ranks: tuple[int, ...]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    ranks = [1, *RANKS] if ranks is None else ranks
+    ping, validation_rows = validation()
+    shared = network_from(ping)
+    cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, shared.overhead)
+    networks = {"cluster": cluster, "shared memory": shared}
+    depths = {"w2": (256, 1024), "w1-1024": (64, 128)}
+    serial_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CURVES}
+
+    def measure_serial() -> None:
+        # serial costs are measured between the curves, so that no slow phase of the
+        # machine sets them; the fastest run counts
+        log.info("serial PyTorch costs")
+        for name, case in CURVES.items():
+            serial_runs[name].append(fresh(serial_costs, case, depths[name]))
+
+    measure_serial()
+    curves, variants = [], []
+    for name, case in CURVES.items():
+        curves += curve(case, [p for p in ranks if p > 1 or not case.costed], networks)
+        measure_serial()
+    for levels in [n for n in (3, 4, 5) if n != CURVES["w2"].work().forward.levels]:
+        case = replace(CURVES["w2"], name=f"w2-levels{levels}", levels=levels)
+        variants += curve(case, list(variant_ranks), {"cluster": cluster})
+    serial = {name: fastest_serial(runs, CURVES[name].num_steps)
+              for name, runs in serial_runs.items()}
+    for row in (*curves, *variants):
+        name = next(n for n in CURVES if row["case"].startswith(n))
+        add_baselines([row], serial[name], networks)
+    cases = {c.name: {"workload": c.workload, "num_steps": c.num_steps, "costed": c.costed,
+                      "repeats": c.repeats, "processes": c.processes,
+                      "description": c.work().description,
+                      "forward": c.work().forward.describe(),
+                      "backward": c.work().backward.describe()}
+             for c in (*CURVES.values(), *CHECKS.values())}
+    return {"cases": cases, "networks": {k: vars(v) for k, v in networks.items()},
+            "ping_pong": ping, "validation": validation_rows, "serial_costs": serial,
+            "serial_runs": serial_runs,
+            "curves": curves, "variants": variants,
+            "literature_speedup_vs_layerwise": LITERATURE_SPEEDUP, "convolutions": "torch",
+            "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Predicted speedups of a training step against P, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(11, 4.2), sharey=True)
+    for ax, name in zip(axes, CURVES):
+        for network, style in (("cluster", "-"), ("shared memory", ":")):
+            rows = [r for r in result["curves"] if r["case"] == name and r["network"] == network]
+            p = [r["ranks"] for r in rows]
+            ax.plot(p, [r["speedup_vs_layerwise"] for r in rows], style, marker="o", ms=3,
+                    color="C0", label=f"vs layer-wise model parallel ({network})")
+            ax.plot(p, [r["speedup_vs_serial"] for r in rows], style, marker="s", ms=3,
+                    color="C1", label=f"vs serial PyTorch ({network})")
+        ax.axhline(LITERATURE_SPEEDUP, color="C3", lw=1, ls="--",
+                   label="10.2x reported over layer-wise MP (GPUs)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks P (one core each)")
+        ax.set_title(f"{name.upper()}: predicted training-step speedup")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("speedup")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    print("validation (seconds; error = predicted / measured - 1)")
+    print(f"{'case':>6} {'metric':>8} {'P':>2} {'measured':>9} {'from MPI traces':>15} "
+          f"{'error':>7} {'virtual ranks':>13} {'error':>7}")
+    for r in result["validation"]:
+        print(f"{r['case']:>6} {r['metric']:>8} {r['ranks']:>2} {r['measured']:9.4f} "
+              f"{r['predicted_from_mpi_traces']:15.4f} {r['error']:+7.1%} "
+              f"{r['predicted_virtual']:13.4f} {r['virtual_error']:+7.1%}")
+    for name in (*CURVES, "variants"):
+        rows = ([r for r in result["curves"] if r["case"] == name and r["network"] == "cluster"]
+                if name != "variants" else result["variants"])
+        print(f"\n{name}: predicted, cluster network (ms; speedups of a training step / of "
+              "a forward pass)")
+        print(f"{'case':>10} {'P':>5} {'MGRIT':>9} {'layer-wise':>10} {'serial':>9} "
+              f"{'vs layer-wise':>13} {'vs serial':>9} {'fwd vs lw':>9} {'fwd vs serial':>13}")
+        for r in rows:
+            print(f"{r['case']:>10} {r['ranks']:>5} {r['mgrit_train'] * 1e3:9.2f} "
+                  f"{r['layerwise_train'] * 1e3:10.2f} {r['serial_train'] * 1e3:9.2f} "
+                  f"{r['speedup_vs_layerwise']:13.2f} {r['speedup_vs_serial']:9.2f} "
+                  f"{r['forward_speedup_vs_layerwise']:9.2f} "
+                  f"{r['forward_speedup_vs_serial']:13.2f}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m benchmarks.scaling OUT_DIR")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(argv[0])
+    out.mkdir(parents=True, exist_ok=True)
+    result = study()
+    (out / "scaling.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "scaling.png")
+    print_tables(result)
