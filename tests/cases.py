@@ -4,9 +4,13 @@ import torch
 
 from mgrit.problems import Dahlquist, DenseResNet, Heat1D
 
+from needs import require
+
 
 def heat_problem(nx: int = 33, a: float = 1.0) -> tuple[Heat1D, torch.Tensor]:
-    """u_t = a u_xx + b on [0, 1] with exact solution sin(pi x) cos(t)."""
+    """u_t = a u_xx + b on [0, 1] with exact solution sin(pi x) cos(t) (its steps need
+    SciPy, an optional dependency)."""
+    require("scipy", "the heat equation's tridiagonal solves")
     prop = Heat1D.sine_solution(nx, a=a)
     return prop, prop.initial_sine()
 

@@ -1,8 +1,9 @@
 """The solver against two independent MGRIT implementations, number by number.
 
-1. `reference_mgrit`: a slow, list-based restatement of DESIGN.md section 2 written
-   separately from the package, run with the very same step functions, so histories
-   must agree to round-off for every option (C-weights, per-level settings, guesses).
+1. `reference_mgrit`: a slow, list-based restatement of docs/design.md section 2 ("The
+   algorithm") written separately from the package, run with the very same step functions,
+   so histories must agree to round-off for every option (C-weights, per-level settings,
+   guesses).
 2. PyMGRIT 1.0.6, an established MGRIT library, on its own Dahlquist and heat problems.
 """
 
@@ -16,6 +17,7 @@ import mgrit
 from mgrit.problems import Dahlquist
 
 from cases import heat_problem, resnet_problem
+from needs import require
 from reference_mgrit import reference_mgrit
 
 
@@ -81,6 +83,7 @@ def test_histories_equal_the_independent_reference(name, setting):
 # PyMGRIT
 
 def _pymgrit():
+    require("pymgrit", "the comparison with an established MGRIT library")
     np.in1d = getattr(np, "in1d", np.isin)  # PyMGRIT 1.0.6 predates numpy 2.4's removal of in1d
     from pymgrit.core.mgrit import Mgrit
     from pymgrit.core.simple_setup_problem import simple_setup_problem

@@ -7,12 +7,22 @@ from typing import Callable
 
 import numpy as np
 import torch
-from scipy.linalg import get_lapack_funcs
 from torch import Tensor
 
 from ..core.propagator import Step, StepBatch
 
 Forcing = Callable[[Tensor, Tensor], Tensor]
+
+
+def _lapack(dtype: np.dtype) -> tuple:
+    """LAPACK's tridiagonal factorisation and solve (?pttrf, ?pttrs) from SciPy, which only
+    this problem needs: an optional dependency (the `app` extra), imported at first use."""
+    try:
+        from scipy.linalg import get_lapack_funcs
+    except ImportError:
+        raise ImportError("mgrit.problems.Heat1D solves its tridiagonal systems with SciPy: "
+                          "pip install scipy (or mgrit[app])") from None
+    return get_lapack_funcs(("pttrf", "pttrs"), dtype=dtype)
 
 
 class Heat1D:
@@ -66,7 +76,7 @@ class Heat1D:
         if key not in self._factors:
             n = self.nx - 2
             fac = dt * self.a / self.dx ** 2
-            pttrf, pttrs = get_lapack_funcs(("pttrf", "pttrs"), dtype=dtype)
+            pttrf, pttrs = _lapack(dtype)
             real = np.float32 if dtype in (np.float32, np.complex64) else np.float64
             d, e, info = pttrf(np.full(n, 1.0 + 2.0 * fac, dtype=real),
                                np.full(n - 1, -fac, dtype=dtype))
