@@ -80,3 +80,11 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     # two forward cycles of a 4-level solve: close to the serial output, not equal to it
     assert 1e-12 < grad["output_relative_error"] < 0.1
 
+
+def test_the_installed_mgrit_command_runs_the_cli():
+    from importlib.metadata import entry_points
+
+    from mgrit.app.cli import main
+
+    command, = [e for e in entry_points(group="console_scripts") if e.name == "mgrit"]
+    assert command.load() is main
