@@ -113,3 +113,21 @@ def test_importing_the_library_loads_none_of_the_tools_dependencies(code):
                           timeout=120, check=True)
     assert proc.stdout.strip() == "[]"
 
+
+def test_the_library_imports_itself_only_relatively():
+    """So that a copy of the package loads under another name: `python -m benchmarks.ab`
+    times versions side by side in one process that way."""
+    absolute = [line for path in _library()
+                for line in [f"{path.relative_to(ROOT)} imports {module}"
+                             for module in _absolute_imports(path)]]
+    assert absolute == []
+
+
+def _absolute_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "mgrit"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [node.module] if node.module.split(".")[0] == "mgrit" else []
+    return found

@@ -1,0 +1,129 @@
+"""Two or more versions of mgrit timed side by side in one process, call by call.
+
+    python -m benchmarks.ab REV [REV ...] [--workload w2] [--rounds 30]
+
+Each REV (a git revision, or "." for the working tree) has its `mgrit` package exported
+into a temporary folder under the name `mgrit_<n>` and imported next to the others; every
+round times one training step (then, in rounds of their own, one forward pass) of the
+workload's layer-parallel model on one rank for each version in turn, in the opposite order
+every other round, so that a slow phase of a shared machine, and whatever running right
+after another version costs, hits all of them alike. Prints each version's median and fastest time and its median as a ratio to the
+first version's. What the commit message of a change to a hot path quotes when it says a
+workload's speed is unchanged.
+
+The library imports itself only relatively, which is what lets a version load under
+another name; the workload is built from the public API every version has
+(`LayerParallel`, `Config`) and `benchmarks.workloads`' network of this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .workloads import TRAINING_WORKLOADS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export(revision: str, folder: Path, name: str) -> None:
+    """The `mgrit` package of `revision` ("." for the working tree) as folder/name."""
+    target = folder / name
+    if revision == ".":
+        shutil.copytree(ROOT / "mgrit", target,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        return
+    archive = folder / f"{name}.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), revision, "mgrit"],
+                   check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder / f"{name}.src", filter="data")
+    (folder / f"{name}.src" / "mgrit").rename(target)
+
+
+def timed_steps(package: Any, workload: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, one forward pass) of the workload's model built by `package`."""
+    work = TRAINING_WORKLOADS[workload]()
+    torch.manual_seed(0)
+    net = work.network()
+    model = package.LayerParallel(net.step, net.num_steps, net.t_final,
+                                  package.Config(**_options(work.forward)),
+                                  package.Config(**_options(work.backward)),
+                                  opening=net.opening, closing=net.closing)
+    optimizer = work.optimizer(model.parameters())
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+
+    def train() -> None:
+        optimizer.zero_grad()
+        work.loss(model(x), y).backward()
+        optimizer.step()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+    return train, forward
+
+
+def _options(config: Any) -> dict[str, Any]:
+    """A Config's options as plain values that every version's Config takes."""
+    return {k: v for k, v in config.describe().items() if k != "initial_guess"}
+
+
+def compare(revisions: list[str], workload: str, rounds: int) -> list[dict[str, list]]:
+    """Per version (in the order given), per metric, the seconds of every round."""
+    torch.set_num_threads(1)
+    times: list[dict[str, list]] = [{} for _ in revisions]
+    with tempfile.TemporaryDirectory(prefix="mgrit-ab-") as tmp:
+        sys.path.insert(0, tmp)
+        try:
+            steps = []
+            for n, revision in enumerate(revisions):
+                name = f"mgrit_{n}"
+                export(revision, Path(tmp), name)
+                steps.append(timed_steps(importlib.import_module(name), workload))
+            order = list(range(len(revisions)))
+            for which, label in ((0, "train_step"), (1, "forward")):
+                for n in order:                      # warm-up: storage, kernels
+                    steps[n][which]()
+                for k in range(rounds):
+                    for n in (order if k % 2 == 0 else order[::-1]):
+                        start = time.perf_counter()
+                        steps[n][which]()
+                        times[n].setdefault(label, []).append(time.perf_counter() - start)
+        finally:
+            sys.path.remove(tmp)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ab",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help='git revisions, "." for the working tree')
+    parser.add_argument("--workload", default="w2", choices=sorted(TRAINING_WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args(argv)
+    times = compare(args.revisions, args.workload, args.rounds)
+    print(f"{args.workload}, one rank, {args.rounds} alternated rounds")
+    print(f"{'revision':<12} {'metric':<11} {'median ms':>10} {'fastest ms':>11} "
+          f"{'vs first':>9}")
+    for revision, measured in zip(args.revisions, times):
+        for label, runs in measured.items():
+            base = statistics.median(times[0][label])
+            print(f"{revision:<12} {label:<11} {statistics.median(runs) * 1e3:10.2f} "
+                  f"{min(runs) * 1e3:11.2f} {statistics.median(runs) / base:9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
