@@ -1,6 +1,6 @@
 """Slow, independent reference implementation of MGRIT (nonlinear FAS form).
 
-This module is a deliberately naive restatement of DESIGN.md section 2 (the
+This module is a deliberately naive restatement of docs/design.md section 2 (the
 MGRIT algorithm).  It is used only by the test suite, to check the real solver
 number by number.  It does not import anything from the ``mgrit`` package and
 is written as plain Python loops over lists of numpy arrays: clarity over speed.

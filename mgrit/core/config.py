@@ -39,7 +39,7 @@ def _per_level(name: str, value: Any, levels: int) -> tuple:
 
 @dataclass(frozen=True)
 class Config:
-    """Options of one MGRIT solve (see DESIGN.md section 2).
+    """Options of one MGRIT solve (docs/design.md, section 2, defines each).
 
     levels:         most levels of the hierarchy (1 = sequential time stepping)
     coarsening:     factor m between levels; an int or one per level
