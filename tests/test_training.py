@@ -31,6 +31,16 @@ def test_exported_network_scores_what_the_layer_parallel_one_scores():
     assert rec["exported_accuracy"] == rec["value"]
 
 
+def test_sequential_stepping_with_mgrits_kernels_trains_as_serial_pytorch_does():
+    """The benchmarks' "sequential stepping, mgrit kernels" row is LayerParallel with one
+    level each way: exact gradients, so the same training as the plain network's."""
+    small = dict(epochs=2, num_steps=16, width=16)
+    stepped, serial = train_digits(sequential=True, **small), train_digits(serial=True, **small)
+    assert stepped["method"] == "sequential stepping, mgrit kernels"
+    assert stepped["value"] == serial["value"] > 0.5
+    assert stepped["exported_accuracy"] == stepped["value"]
+
+
 def test_workload_networks_have_the_documented_shapes():
     w1 = models.w1()
     x = torch.randn(2, 1, 28, 28)
