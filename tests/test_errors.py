@@ -246,3 +246,29 @@ def test_a_relative_tolerance_below_round_off_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert mgrit.solve(Dahlquist(-1.0), U0, 64, 0.0, 1.0, cfg).converged
+
+
+def test_capabilities_are_checked_once_per_class_and_attributes(monkeypatch):
+    """mgrit.solve builds a solver per call: the signature and near-miss checks run for the
+    first propagator of a class (and set of instance attributes) only; a non-callable
+    optional attribute is refused every time."""
+    from mgrit.core import propagator
+
+    calls = []
+    search = propagator.difflib.get_close_matches
+    monkeypatch.setattr(propagator.difflib, "get_close_matches",
+                        lambda *a, **k: calls.append(a[0]) or search(*a, **k))
+    fresh = type("Fresh", (Dahlquist,), {})
+    mgrit.Solver(fresh(), U0, 8, 0.0, 1.0)
+    checked = len(calls)
+    assert checked > 0
+    mgrit.Solver(fresh(-2.0), U0, 8, 0.0, 1.0)
+    assert len(calls) == checked
+    odd = fresh()
+    odd.extra = 1                                   # another set of attributes: checked again
+    mgrit.Solver(odd, U0, 8, 0.0, 1.0)
+    assert len(calls) > checked
+    broken = fresh()
+    broken.step_batch = 3
+    with pytest.raises(TypeError, match="Fresh.step_batch is int, not a method"):
+        mgrit.Solver(broken, U0, 8, 0.0, 1.0)

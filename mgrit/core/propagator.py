@@ -148,32 +148,48 @@ class Capabilities:
     def of(cls, prop: object) -> "Capabilities":
         """The capabilities of `prop`, checked: `step` must be there; an optional method must
         be callable with its arguments; a public method whose name is a near miss of an
-        optional one (`step_bacth`) is an error, since it would silently never be called."""
+        optional one (`step_bacth`) is an error, since it would silently never be called.
+        The signatures and the near-miss search are checked once per propagator class and
+        set of instance attributes: `mgrit.solve` builds a solver per call, and they would
+        cost a short solve a few percent."""
         name = type(prop).__name__
         if not callable(getattr(prop, "step", None)):
             raise TypeError(f"the propagator {name} has no step(u, s) method")
-        found = {}
-        for method, arguments in OPTIONAL.items():
-            fn = getattr(prop, method, None)
-            if fn is None:
-                continue
-            if not callable(fn):
+        found = {method: getattr(prop, method, None) for method in OPTIONAL}
+        for method, fn in found.items():
+            if fn is not None and not callable(fn):
                 raise TypeError(f"{name}.{method} is {type(fn).__name__}, not a method; "
-                                f"define {method}({', '.join(arguments)}) or leave it out")
-            _check_arguments(name, method, fn, arguments)
-            found[method] = fn
-        known = {"step", *OPTIONAL}
-        for attr in dir(prop):
-            if attr.startswith("_") or attr in known:
-                continue
-            near = difflib.get_close_matches(attr, OPTIONAL, n=1, cutoff=0.85)
-            if near and near[0] not in found and callable(getattr(prop, attr, None)):
-                raise TypeError(
-                    f"{name}.{attr} looks like a misspelt {near[0]}, one of the optional "
-                    f"propagator methods ({', '.join(OPTIONAL)}): as written MGRIT never "
-                    f"calls it; rename it to {near[0]} (or give it a name that is not "
-                    "close to one of those)")
-        return cls(step=prop.step, **found)
+                                f"define {method}({', '.join(OPTIONAL[method])}) or leave it "
+                                "out")
+        key = (type(prop), tuple(getattr(prop, "__dict__", ())))
+        if key not in _CHECKED:
+            _check(prop, found)
+            _CHECKED.add(key)
+        return cls(step=prop.step, **{k: fn for k, fn in found.items() if fn is not None})
+
+
+# (propagator class, its instance's attribute names) whose capabilities passed `_check`
+_CHECKED: set[tuple[type, tuple[str, ...]]] = set()
+
+
+def _check(prop: object, found: dict[str, Callable | None]) -> None:
+    """Raise TypeError for an optional method that cannot take its arguments, and for a
+    public method named like a missing optional one."""
+    name = type(prop).__name__
+    for method, fn in found.items():
+        if fn is not None:
+            _check_arguments(name, method, fn, OPTIONAL[method])
+    known = {"step", *OPTIONAL}
+    for attr in dir(prop):
+        if attr.startswith("_") or attr in known:
+            continue
+        near = difflib.get_close_matches(attr, OPTIONAL, n=1, cutoff=0.85)
+        if near and found[near[0]] is None and callable(getattr(prop, attr, None)):
+            raise TypeError(
+                f"{name}.{attr} looks like a misspelt {near[0]}, one of the optional "
+                f"propagator methods ({', '.join(OPTIONAL)}): as written MGRIT never "
+                f"calls it; rename it to {near[0]} (or give it a name that is not "
+                "close to one of those)")
 
 
 def _check_arguments(name: str, method: str, fn: Callable, arguments: tuple[str, ...]) -> None:
