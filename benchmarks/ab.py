@@ -26,12 +26,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .timing import seconds
+from .training import forward_fn, train_step_fn
 from .workloads import TRAINING_WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,18 +62,8 @@ def timed_steps(package: Any, workload: str) -> tuple[Callable[[], None], Callab
                                   package.Config(**_options(work.forward)),
                                   package.Config(**_options(work.backward)),
                                   opening=net.opening, closing=net.closing)
-    optimizer = work.optimizer(model.parameters())
     x, y = work.inputs(torch.Generator().manual_seed(1))
-
-    def train() -> None:
-        optimizer.zero_grad()
-        work.loss(model(x), y).backward()
-        optimizer.step()
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(x)
-    return train, forward
+    return train_step_fn(model, work, x, y), forward_fn(model, x)
 
 
 def _options(config: Any) -> dict[str, Any]:
@@ -98,9 +89,7 @@ def compare(revisions: list[str], workload: str, rounds: int) -> list[dict[str, 
                     steps[n][which]()
                 for k in range(rounds):
                     for n in (order if k % 2 == 0 else order[::-1]):
-                        start = time.perf_counter()
-                        steps[n][which]()
-                        times[n].setdefault(label, []).append(time.perf_counter() - start)
+                        times[n].setdefault(label, []).append(seconds(steps[n][which]))
         finally:
             sys.path.remove(tmp)
     return times

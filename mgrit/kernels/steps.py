@@ -60,7 +60,6 @@ class ChainSteps:
 
     skips_zeros = False
     keeps_values = True         # single and batched steps can return their op outputs
-    name = "chain"
 
     def __init__(self, chain: Chain) -> None:
         self.chain = chain
@@ -148,7 +147,6 @@ class NativeDenseSteps(ChainSteps):
     whose vectorised tanh and batched products win there."""
 
     skips_zeros = True
-    name = "native dense"
 
     def __init__(self, chain: Chain, kernels: NativeDense) -> None:
         super().__init__(chain)
@@ -219,8 +217,6 @@ class CudaDenseSteps(ChainSteps):
     """The batched residual step of `Linear(d, d) -> Tanh` layers and its adjoint on the
     CUDA kernels (`mgrit.kernels.cuda`); single steps, kept outputs and parameter
     cotangents on torch's kernels."""
-
-    name = "cuda dense"
 
     def __init__(self, chain: Chain) -> None:
         super().__init__(chain)

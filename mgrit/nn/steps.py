@@ -19,7 +19,6 @@ class ModuleSteps:
 
     skips_zeros = False
     keeps_values = False
-    name = "module"
 
     def __init__(self, stack: LayerStack) -> None:
         self.stack = stack
