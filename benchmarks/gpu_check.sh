@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# One-shot GPU check of mgrit's CUDA kernels and of layer-parallel training, for a machine
-# with an NVIDIA GPU (written for an H200). Run it once, from anywhere:
+# One-shot check of mgrit on a machine with an NVIDIA GPU and several CPU cores (written for
+# one H200 and 16 cores): the CUDA path's correctness and speed, and real MPI ranks past two
+# against the scaling model. Run it once, from anywhere:
 #
 #     bash benchmarks/gpu_check.sh                 # results in ./gpu-out
 #     OUT=/some/dir bash benchmarks/gpu_check.sh
 #
-# Steps (a few minutes: step 4 is cut off after $CHECK_TIMEOUT s, default 420; a torch
-# install, when needed, comes on top):
-#   1. Python: $PYTHON (default python3) if it can import mgrit (the checkout is put on
-#      PYTHONPATH); otherwise a fresh venv $VENV (default /tmp/mgrit-gpu-venv) with
-#      `pip install "torch>=2.3"` (on Linux pip's default torch is the CUDA build) and
-#      `pip install -e .`.
-#   2. nvidia-smi and nvcc versions into $OUT/environment.txt.
-#   3. python -m mgrit.kernels.build cuda (-arch=native, nvcc's default arch if that
-#      fails), into the kernels' cache: $OUT/build.log.
-#   4. benchmarks/gpu_check.py: kernels against their pure-torch twins (asserted), kernel
-#      timings, the batched and stream executors against the loop executor (asserted) and
-#      their timings, serial PyTorch against layer-parallel MGRIT on W2 and W2b; writes
-#      $OUT/gpu_check.json (after every section) and $OUT/gpu_check.md; log in $OUT/check.log.
+# Steps, each under its own time limit, each run whatever the one before did:
+#   1. What is there: Python, torch and its CUDA, the GPU, nvcc, mpi4py and its MPI library,
+#      mpiexec (printed first, and into $OUT/environment.txt). Without a usable mpi4py and
+#      mpiexec, MPICH and mpi4py are installed from carried wheels in $WHEELS (default
+#      ./.whl; no package registry is needed) into $MPI_PREFIX (default /tmp/mgrit-mpi);
+#      MPI_FROM_WHEELS=1 installs them in any case.
+#   2. python -m mgrit.kernels.build cuda: $OUT/build.log.
+#   3. benchmarks/gpu_check.py (its docstring lists the sections; SECTIONS=a,b runs only
+#      those; DEVICE=cpu is its dry run without a GPU): $OUT/gpu_check.json after every section, $OUT/gpu_check.md at the end.
+#   4. python -m benchmarks.scaling.ranks at RANKS (default 1,2,4,8,16; never more than the
+#      cores; RANKS= leaves it out): $OUT/ranks.json and $OUT/ranks.log.
+# The output of steps 2-4 is in $OUT/check.log too.
 #
 # Exit status: 0 when everything passed; 2 without a usable GPU; otherwise non-zero (a
-# failed build or section; whatever was measured is still in $OUT).
+# failed step; whatever was measured is still in $OUT).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,39 +28,74 @@ mkdir -p "${OUT:-gpu-out}"
 OUT=$(cd "${OUT:-gpu-out}" && pwd)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-$ROOT/.whl}
+MPI_PREFIX=${MPI_PREFIX:-/tmp/mgrit-mpi}
+LOG="$OUT/check.log"
+: >"$LOG"
 
-if command -v nvidia-smi >/dev/null && ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "error: nvidia-smi finds no usable NVIDIA GPU on this machine:" >&2
-    nvidia-smi -L >&2
+mpi_usable() {  # mpi4py imports and 2 ranks start and talk, within a minute
+    [ -n "${MPI_FROM_WHEELS:-}" ] && return 1
+    local exe
+    exe=$(timeout 60 "$PY" -c "from mgrit.app.launch import find_mpiexec; print(find_mpiexec() or '')" 2>/dev/null)
+    [ -n "$exe" ] && timeout 60 "$exe" -n 2 "$PY" -m mpi4py -c \
+        "from mpi4py import MPI; assert MPI.COMM_WORLD.allreduce(1) == 2" >/dev/null 2>&1
+}
+
+{
+    echo "== what this machine has"
+    echo "python: $("$PY" --version 2>&1) ($(command -v "$PY"))"
+    timeout 60 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" 2>&1
+    command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 || echo "nvidia-smi: not found"
+    command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc on PATH: not found (NVCC=${NVCC:-})"
+    echo "cores: $(nproc)"
+    timeout 60 "$PY" -c "import mpi4py; from mpi4py import MPI; print('mpi4py', mpi4py.__version__, '|', MPI.Get_library_version().splitlines()[0])" 2>&1 | tail -1
+    echo "mpiexec on PATH: $(command -v mpiexec || echo none)"
+    if ! mpi_usable; then
+        if ls "$WHEELS"/mpi4py-*.whl "$WHEELS"/mpich-*.whl >/dev/null 2>&1; then
+            echo "no usable mpi4py and mpiexec: installing the carried wheels into $MPI_PREFIX"
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-installed \
+                --prefix "$MPI_PREFIX" "$WHEELS"/mpi4py-*.whl "$WHEELS"/mpich-*.whl 2>&1 | tail -3
+        else
+            echo "no usable mpi4py and mpiexec, and no wheels in $WHEELS: the MPI steps will fail"
+        fi
+    fi
+} 2>&1 | tee "$OUT/environment.txt"
+if [ -d "$MPI_PREFIX" ]; then
+    SITE=$(ls -d "$MPI_PREFIX"/lib/python3*/site-packages 2>/dev/null | head -1)
+    export PYTHONPATH="$SITE:$PYTHONPATH" LD_LIBRARY_PATH="$MPI_PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export PATH="$MPI_PREFIX/bin:$PATH" MGRIT_MPIEXEC="$MPI_PREFIX/bin/mpiexec"
+    timeout 60 "$PY" -c "import mpi4py; from mpi4py import MPI; print('now mpi4py', mpi4py.__version__, '|', MPI.Get_library_version().splitlines()[0], '| mpiexec $MGRIT_MPIEXEC')" 2>&1 | tee -a "$OUT/environment.txt"
+fi
+
+if [ "${DEVICE:-cuda}" = cuda ] && command -v nvidia-smi >/dev/null && ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "error: nvidia-smi finds no usable NVIDIA GPU on this machine" | tee -a "$LOG" >&2
     exit 2
 fi
 
-PY=${PYTHON:-python3}
-if ! "$PY" -c "import mgrit" 2>/dev/null; then
-    VENV=${VENV:-${TMPDIR:-/tmp}/mgrit-gpu-venv}
-    echo "mgrit does not import with $PY: installing into $VENV"
-    python3 -m venv "$VENV" || exit 1
-    PY=$VENV/bin/python
-    "$PY" -m pip install --quiet --upgrade pip || exit 1
-    "$PY" -m pip install --quiet "torch>=2.3" || exit 1
-    "$PY" -m pip install --quiet -e . || exit 1
-fi
-
-{
-    echo "python: $("$PY" --version 2>&1) ($PY)"
-    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
-    command -v nvcc >/dev/null && nvcc --version || echo "nvcc on PATH: not found (NVCC=${NVCC:-})"
-} >"$OUT/environment.txt" 2>&1
-
-"$PY" -m mgrit.kernels.build cuda 2>&1 | tee "$OUT/build.log"
+echo "== build" | tee -a "$LOG"
+timeout "${BUILD_TIMEOUT:-180}" "$PY" -m mgrit.kernels.build cuda 2>&1 | tee "$OUT/build.log" | tee -a "$LOG"
 build_status=${PIPESTATUS[0]}
 
-timeout "${CHECK_TIMEOUT:-420}" "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 \
-    | tee "$OUT/check.log"
+echo "== gpu_check.py" | tee -a "$LOG"
+timeout "${CHECK_TIMEOUT:-600}" "$PY" benchmarks/gpu_check.py --out "$OUT" --device "${DEVICE:-cuda}" \
+    ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
 check_status=${PIPESTATUS[0]}
 
-echo "build exit $build_status, check exit $check_status; results in $OUT"
-if [ "$check_status" -ne 0 ]; then
-    exit "$check_status"
+ranks_status=0
+RANKS=${RANKS-1,2,4,8,16}
+if [ -n "$RANKS" ]; then
+    echo "== real ranks: $RANKS" | tee -a "$LOG"
+    timeout "${RANKS_TIMEOUT:-300}" "$PY" -m benchmarks.scaling.ranks "$OUT" --ranks "$RANKS" \
+        2>&1 | tee "$OUT/ranks.log" | tee -a "$LOG"
+    ranks_status=${PIPESTATUS[0]}
 fi
-exit "$build_status"
+
+echo "build exit $build_status, check exit $check_status, ranks exit $ranks_status; results in $OUT" | tee -a "$LOG"
+for status in "$check_status" "$build_status" "$ranks_status"; do
+    if [ "$status" -ne 0 ]; then
+        exit "$status"
+    fi
+done
+exit 0

@@ -226,19 +226,20 @@ def _gpu_check():
 
 
 def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
-    """The section that checks the batched and the stream executor against the loop on a
-    GPU, run on the CPU: float64 results agree, and a tolerance that nothing meets (here
-    float32's, set below zero) fails the section, naming what differed."""
+    """The section that checks the batched and the stream executor against the loop, and
+    levels=1 against serial PyTorch, on a GPU, run on the CPU: float64 results agree, and a
+    tolerance that nothing meets (here float32's, set below zero) fails the section, naming
+    what differed."""
     check = _gpu_check()
     monkeypatch.setattr(check, "EXECUTOR_TOLERANCE", {torch.float64: 1e-12, torch.float32: -1.0})
     records = []
-    with pytest.raises(AssertionError, match="3 executor results differ.*float32"):
-        check.executors(torch.device("cpu"), 1, records, ("w2",))
-    compared = {(r["execution"], r["dtype"]): r["ok"] for r in records if "ok" in r}
-    variants = ("batched", "streams", "cuda graphs")
-    assert compared == {**{(e, "torch.float64"): True for e in variants},
-                        **{(e, "torch.float32"): False for e in variants}}
-    timed = {(r["execution"], r["metric"]) for r in records if "seconds" in r}
-    assert timed == {(e, m) for e in ("loop",) + variants for m in ("forward", "train_step")}
-    table = check._table({"executors": records, "failures": {}})
+    with pytest.raises(AssertionError, match="4 results differ.*float32"):
+        check.executors(torch.device("cpu"), records, ("w2",))
+    compared = {(r["method"], r["dtype"]): r["ok"] for r in records}
+    methods = ("batched vs loop", "streams vs loop", "cuda graphs vs loop",
+               "levels=1 vs serial pytorch")
+    assert compared == {**{(m, "torch.float64"): True for m in methods},
+                        **{(m, "torch.float32"): False for m in methods}}
+    assert all(r["gradient_error"] < 1e-12 for r in records if r["dtype"] == "torch.float64")
+    table = check._table({"environment": {}, "executors": records, "failures": {}})
     assert "| executors w2 torch.float64 | streams vs loop |" in table
