@@ -59,7 +59,7 @@ KERNEL_CALLS = 100  # back-to-back calls per timed kernel repeat
 # name -> (seconds it may take, whether it needs a GPU); run in this order, the assertions
 # first, so that the minutes of a short visit go to what matters most
 SECTIONS = {"kernels_vs_twins": (45, True), "executors": (90, False),
-            "two_ranks": (90, False), "speed": (150, False), "kernel_timing": (30, True)}
+            "two_ranks": (90, False), "speed": (240, False), "kernel_timing": (30, True)}
 # results against their twins' (relative to the twin's largest entry): a float32 training
 # step goes through 1024 layers and three MGRIT cycles
 EXECUTOR_TOLERANCE = {torch.float64: 1e-11, torch.float32: 1e-4}

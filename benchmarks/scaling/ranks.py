@@ -5,6 +5,9 @@ own traces replayed, and the virtual-rank model's prediction for the same P.
 
     python -m benchmarks.scaling.ranks OUT_DIR [--ranks 1,2,4,8,16] [--repeats 5]
         writes OUT_DIR/ranks.json and prints the table (docs/scaling.md, "Real ranks")
+    python -m benchmarks.scaling.ranks OUT_DIR --predict RANKS_JSON | --replay RANKS_JSON
+        the predictions for an earlier run's measurements: both models on the machine that
+        measured them, or the replays of its traces alone on any machine
     mpiexec -n P python -m mpi4py -m benchmarks.scaling.ranks --worker
         one launch; rank 0 reports its record
 
@@ -123,34 +126,45 @@ def _virtual(case: ScalingCase, ranks: int, network: Interconnect) -> dict[str, 
         return virtual_point(case, ranks, {"": network})
 
 
-def virtual_predictions(jobs: list[tuple[str, int]], network: Interconnect, workers: int
+def virtual_predictions(jobs: list[tuple[str, int]], network: Interconnect, workers: int,
+                        processes: int | None = None
                         ) -> dict[tuple[str, int], dict[str, Any]]:
-    """The fastest virtual-rank prediction of each (case, ranks) job over the case's
-    `processes` runs, each run in a fresh process, `workers` of them at a time."""
+    """The fastest virtual-rank prediction of each (case, ranks) job over `processes` runs
+    (default: the case's own count), each run in a fresh process, `workers` of them at a
+    time."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
         futures = {job: [pool.submit(_virtual, CHECKS[job[0]], job[1], network)
-                         for _ in range(CHECKS[job[0]].processes)] for job in jobs}
-        return {job: _fastest([f.result() for f in runs], {"": network})["predictions"][""]
-                for job, runs in futures.items()}
+                         for _ in range(processes or CHECKS[job[0]].processes)]
+                   for job in jobs}
+        out = {}
+        for job, runs in futures.items():
+            start = time.perf_counter()
+            out[job] = _fastest([f.result() for f in runs], {"": network})["predictions"][""]
+            log.info("virtual ranks: %s on %d ranks predicted (waited %.0f s)", *job,
+                     time.perf_counter() - start)
+        return out
 
 
-def table(records: dict[int, dict[str, Any]], network: Interconnect, workers: int
-          ) -> list[dict[str, Any]]:
+def table(records: dict[int, dict[str, Any]], network: Interconnect, workers: int,
+          processes: int | None = None, virtual: bool = True) -> list[dict[str, Any]]:
     """Per case, metric and rank count: measured MGRIT against the replay of its own traces
-    and against the virtual-rank model, and the measured baselines and speedups."""
+    and (unless `virtual` is false) against the virtual-rank model, and the measured
+    baselines and speedups."""
     rows = []
     for p, record in records.items():
         rows += compare(record["mgrit"], network)
     jobs = sorted({(r["case"], r["ranks"]) for r in rows})
-    virtual = virtual_predictions(jobs, network, workers)
+    predicted = virtual_predictions(jobs, network, workers, processes) if virtual else {}
     one = {(r["case"], r["metric"]): r["measured"] for r in rows if r["ranks"] == 1}
     for row in rows:
         p, case, metric = row["ranks"], row["case"], row["metric"]
-        pred = virtual[(case, p)]
-        row["predicted_virtual"] = pred["seconds" if metric == "train" else "forward_seconds"]
-        row["virtual_error"] = row["predicted_virtual"] / row["measured"] - 1.0
+        if predicted:
+            pred = predicted[(case, p)]
+            row["predicted_virtual"] = pred["seconds" if metric == "train" else
+                                            "forward_seconds"]
+            row["virtual_error"] = row["predicted_virtual"] / row["measured"] - 1.0
         base = records[p]["baselines"][case]
         serial = fastest(base["serial pytorch"][metric])
         layerwise = fastest(base["layer-wise model parallel"][metric])
@@ -163,6 +177,7 @@ def table(records: dict[int, dict[str, Any]], network: Interconnect, workers: in
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    nan = float("nan")
     print("real MPI ranks against the model (seconds; error = predicted / measured - 1)")
     print(f"{'case':>5} {'metric':>8} {'P':>3} {'measured':>9} {'own traces':>10} {'error':>7} "
           f"{'virtual':>9} {'error':>7} {'serial':>9} {'layer-wise':>10} {'vs serial':>9} "
@@ -170,9 +185,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in sorted(rows, key=lambda r: (r["case"], r["metric"], r["ranks"])):
         print(f"{r['case']:>5} {r['metric']:>8} {r['ranks']:>3} {r['measured']:9.4f} "
               f"{r['predicted_from_mpi_traces']:10.4f} {r['error']:+7.1%} "
-              f"{r['predicted_virtual']:9.4f} {r['virtual_error']:+7.1%} {r['serial']:9.4f} "
+              f"{r.get('predicted_virtual', nan):9.4f} {r.get('virtual_error', nan):+7.1%} "
+              f"{r['serial']:9.4f} "
               f"{r['layerwise']:10.4f} {r['speedup_vs_serial']:9.2f} "
-              f"{r['speedup_vs_layerwise']:6.2f} {r.get('efficiency', float('nan')):5.2f}")
+              f"{r['speedup_vs_layerwise']:6.2f} {r.get('efficiency', nan):5.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds one launch may take")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="virtual-rank runs at a time")
+    parser.add_argument("--processes", type=int,
+                        help="virtual-rank runs per point (default: each case's own)")
+    parser.add_argument("--predict", type=Path, metavar="RANKS_JSON",
+                        help="predict the measurements of an earlier run on this machine")
+    parser.add_argument("--replay", type=Path, metavar="RANKS_JSON",
+                        help="only replay the traces of an earlier run's measurements (on any "
+                             "machine: the virtual-rank model needs the measuring machine)")
     args = parser.parse_args(argv)
     cases = tuple(args.cases.split(","))
     unknown = [c for c in cases if c not in CHECKS]
@@ -204,19 +227,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks: every rank count must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
-    with torch_kernels():
-        records = measure(ranks, cases, args.repeats, args.timeout)
-    # the measurements first, on their own: the predictions below take a while longer
-    (args.out / "ranks.json").write_text(json.dumps({"records": records}))
+    earlier = args.predict or args.replay
+    if earlier is not None:
+        records = {int(p): r for p, r in json.loads(earlier.read_text())["records"].items()}
+    else:
+        with torch_kernels():
+            records = measure(ranks, cases, args.repeats, args.timeout)
+        # the measurements first, on their own: the predictions below take a while longer
+        (args.out / "ranks.json").write_text(json.dumps({"records": records}))
     pings = {p: r["mgrit"]["ping_pong"] for p, r in records.items() if "ping_pong" in r["mgrit"]}
     if not pings:
         parser.error("the network is measured between two ranks: --ranks needs a count >= 2")
     ping = pings.get(2, next(iter(pings.values())))
     network = network_from(ping)
-    rows = table(records, network, args.workers)
+    rows = table(records, network, args.workers, args.processes, virtual=args.replay is None)
     result = {"rows": rows, "ping_pong": ping, "network": vars(network), "cases": {
         c: CHECKS[c].work().description for c in cases}, "repeats": args.repeats,
-        "torch": torch.__version__, "cpus": os.cpu_count(), "records": records}
+        "torch": torch.__version__, "cpus": os.cpu_count(), "records": records,
+        "replayed_from": None if earlier is None else str(earlier)}
     (args.out / "ranks.json").write_text(json.dumps(result, indent=1))
     print_table(rows)
     return 0
