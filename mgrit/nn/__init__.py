@@ -8,7 +8,9 @@ their solvers (`passes`), the copies of other ranks' layers (`ghosts`), paramete
 network it computes, `blocks` builds both from one description, `defaults` holds
 training's solver settings."""
 
+from .checkpoint import CheckpointError, serial_state_dict
 from .layer_parallel import LayerParallel
 from .serial import ResidualStep, serial_resnet
 
-__all__ = ["LayerParallel", "ResidualStep", "serial_resnet"]
+__all__ = ["CheckpointError", "LayerParallel", "ResidualStep", "serial_resnet",
+           "serial_state_dict"]

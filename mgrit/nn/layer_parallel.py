@@ -194,13 +194,25 @@ class LayerParallel(nn.Module):
     def save_checkpoint(self, directory: str | os.PathLike,
                         optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> Path:
         """Write this rank's layers, opening, closing, optimizer state and warm-start states
-        to `directory` (one file per rank, written then renamed: never half a file)."""
+        to `directory` (one file per rank, written then renamed: never half a file). Any
+        number of layer-parallel ranks can load it (`load_checkpoint`), and
+        `mgrit.nn.serial_state_dict(directory)` reads it as a plain serial network's."""
         return checkpoint.save(self, self._passes, directory, optimizer, extra)
 
     def load_checkpoint(self, directory: str | os.PathLike,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Restore what `save_checkpoint` wrote; returns its extra entries. A checkpoint of a
-        different network or partition is refused with the difference named."""
+        """Restore what `save_checkpoint` wrote, on this or any other number of
+        layer-parallel ranks; returns its extra entries. Every rank of the model calls it (a
+        failure on one raises on all).
+
+        Each rank takes its layers, and their optimizer state (SGD's momentum, Adam's
+        moments), row by row from the files that hold them; the opening, closing and
+        per-group settings are the same in every file. Warm-start states belong to one
+        partition of the layers: they are restored when the partition is the same as when
+        saved and dropped otherwise (the next passes start cold, as the first ones did).
+        The number of data-parallel replicas must be the same. A missing, incomplete or
+        unreadable checkpoint, or one of a different network, raises
+        `mgrit.nn.CheckpointError` naming the file and the difference."""
         return checkpoint.load(self, self._passes, directory, optimizer)
 
     def extra_repr(self) -> str:
