@@ -212,7 +212,7 @@ def test_resume_of_a_different_network_is_refused(tmp_path):
     before = sorted(p.name for p in out.iterdir())
     proc = mgrit("train", *TINY, "--width", "12", "--out", str(out), "--resume", check=False)
     assert proc.returncode == 2
-    assert "is of a different network or run: network differ" in proc.stderr
+    assert "--resume cannot change network.width (the checkpoint's 8, now 12)" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == before
 
 

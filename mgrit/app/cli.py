@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 from . import demo
 from .data import DataError
 from .launch import LaunchError
-from .settings import SettingsError, load, parse_override
+from . import interrupts
+from .settings import SettingsError, load, parse_override, resumed
 
 # flag -> (section, key); each overrides the config file
 SHORTCUTS = {
@@ -35,19 +37,37 @@ TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size
          "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int}
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="settings file (TOML, YAML or JSON)")
+def _default(section: str, key: str) -> Any:
+    from .settings import SECTIONS, SOLVER_DEFAULTS
+
+    if section in SOLVER_DEFAULTS:
+        return SOLVER_DEFAULTS[section][key]
+    return getattr(SECTIONS[section](), key)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, serial: bool = True) -> None:
+    from .settings import CHOICES
+
+    parser.add_argument("--config", metavar="FILE", help="settings file (TOML, YAML or JSON); "
+                        "flags override it")
     parser.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                         help="override one setting, e.g. --set forward.max_iter=3 "
                              "(values are read as TOML); repeatable")
     for name in SHORTCUTS:
         section, key = SHORTCUTS[name]
+        choices = CHOICES.get((section, key))
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=TYPES.get(name, str),
-                            help=f"[{section}] {key}")
-    parser.add_argument("--levels", type=int, help="[forward] and [backward] levels")
-    parser.add_argument("--serial", action="store_true", help="train the plain network with "
-                        "autograd in one process (the baseline)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                            choices=choices, metavar=None if choices else name.upper(),
+                            help=f"[{section}] {key} (default: {_default(section, key)})")
+    parser.add_argument("--levels", type=int, help="[forward] and [backward] levels, the "
+                        "relaxation following them unless set (default: "
+                        f"{_default('forward', 'levels')})")
+    if serial:
+        parser.add_argument("--serial", action="store_true", help="train the plain network "
+                            "with autograd in one process (the baseline)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the results of "
+                        "another run in the output directory (otherwise refused)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress display")
     parser.add_argument("--no-checkpoint", action="store_true", help="no checkpoints")
     parser.add_argument("--verbose", action="store_true", help="every rank logs its steps")
 
@@ -63,7 +83,7 @@ def settings_from(args: argparse.Namespace) -> Any:
                           "backward": {"levels": args.levels}})
     flags = {"serial": ("training", "serial", True), "no_progress": ("output", "progress", False),
              "no_checkpoint": ("output", "checkpoint", False),
-             "verbose": ("output", "verbose", True)}
+             "verbose": ("output", "verbose", True), "overwrite": ("output", "overwrite", True)}
     for attr, (section, key, value) in flags.items():
         if getattr(args, attr, False):
             overrides.append({section: {key: value}})
@@ -85,12 +105,38 @@ def run_train(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if settings.output.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.resume:
+        settings = resume_settings(settings, args.reset_optimizer)
+    elif args.reset_optimizer:
+        raise SettingsError("--reset-optimizer applies to --resume only")
     world = _world()
-    summary = Run(settings, world, resume=args.resume).run()
+    interrupts.install(world, settings, sys.argv)
+    summary = Run(settings, world, resume=args.resume,
+                  reset_optimizer=args.reset_optimizer).run()
     if (world is None or world.Get_rank() == 0) and summary:
         print(f"test accuracy {summary['test_accuracy'] * 100:.2f}% after epoch "
               f"{summary['epoch']}; metrics in {Path(settings.output.dir) / 'metrics.jsonl'}")
     return 0
+
+
+def resume_settings(given: Any, reset_optimizer: bool) -> Any:
+    """The settings of `--resume`: the checkpoint's, with what the command line changed
+    where a resume may change it (`settings.resumed`)."""
+    import json
+
+    out = Path(given.output.dir)
+    latest = out / "latest"
+    if not latest.exists():
+        raise SettingsError(f"--resume: no checkpoint in {out} (no 'latest' file)")
+    meta_path = out / latest.read_text().strip() / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise SettingsError(f"--resume: {meta_path} cannot be read ({err})") from None
+    if "settings" not in meta:
+        # written by an earlier mgrit, which kept only what had to match
+        return given
+    return resumed(meta["settings"], given, reset_optimizer)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -99,9 +145,17 @@ def run_compare(args: argparse.Namespace) -> int:
     from . import compare
 
     torch.set_num_threads(1)
+    if args.ranks < 1:
+        raise SettingsError(f"--ranks {args.ranks}: the layer-parallel run needs at least 1 "
+                            "rank")
+    if args.deep_steps is not None and args.deep_steps < 2:
+        raise SettingsError(f"--deep-steps {args.deep_steps}: the deep network needs at least "
+                            "2 layers")
     settings = settings_from(args)
     out = Path(settings.output.dir)
     compare.compare_training(settings, out, args.ranks)
+    if args.deep_steps:
+        compare.deep_speed(settings, out, args.ranks, args.deep_steps)
     if args.solver_study:
         network = out / "serial" / "model.pt"
         from .data import load as load_data
@@ -155,13 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a ResNet (layer-parallel under mpiexec)")
     add_training_arguments(train)
     train.add_argument("--resume", action="store_true", help="continue from the latest "
-                       "checkpoint in the output directory")
+                       "checkpoint in the output directory, with its settings; flags may "
+                       "change the epochs, learning rate, momentum, weight decay, output and "
+                       "solver cycles (docs/user-guide.md)")
+    train.add_argument("--reset-optimizer", action="store_true", help="with --resume: a fresh "
+                       "optimizer (its kind may then change) instead of the checkpoint's state")
     cmp = sub.add_parser("compare", help="serial against layer-parallel training: figures, "
                          "table, JSON")
-    add_training_arguments(cmp)
-    cmp.add_argument("--ranks", type=int, default=2, help="ranks of the layer-parallel run")
+    add_training_arguments(cmp, serial=False)
+    cmp.add_argument("--ranks", type=int, default=2, help="ranks of the layer-parallel run "
+                     "(default: 2)")
     cmp.add_argument("--solver-study", action="store_true", help="also study the solver's "
                      "convergence on Dahlquist, heat and the trained network's layers")
+    cmp.add_argument("--deep-steps", type=int, metavar="N", help="then time one epoch of a "
+                     "deep narrow network of N layers both ways (make demo: 1024)")
     bench = sub.add_parser("bench", help="run benchmark workloads (the repository's "
                            "research tools, `benchmarks/`)", add_help=False)
     bench.add_argument("arguments", nargs=argparse.REMAINDER)
@@ -180,14 +241,57 @@ def main(argv: list[str] | None = None) -> int:
                 "demo": demo.run, "replay": run_replay}
     try:
         return handlers[args.command](args)
-    except (SettingsError, DataError, LaunchError, OSError, ValueError, TypeError,
-            ImportError) as err:
-        rank = 0
-        if args.command == "train" and "mpi4py.MPI" in sys.modules:
-            rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
-        if rank == 0:
+    except (SettingsError, DataError) as err:
+        # raised alike on every rank (settings and data are read by each, and checkpoint
+        # errors are agreed on by all ranks): said once, every rank ends
+        if _rank() == 0:
             sys.stderr.write(f"mgrit {args.command}: error: {err}\n")
-        return 2
+        return _ended_together(2)
+    except (LaunchError, OSError, ValueError, TypeError, ImportError, RuntimeError) as err:
+        return _failed(args.command, err)
+    except KeyboardInterrupt:
+        return interrupts.stopped()
+
+
+def _ended_together(code: int) -> int:
+    """Every rank ends with `code` after an error they all raised. Under `python -m mpi4py`
+    a non-zero exit would make each rank call MPI_Abort and MPICH print a line per rank;
+    since all ranks know, they finalize MPI and leave together instead."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or mpi.COMM_WORLD.Get_size() == 1 or mpi.Is_finalized():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.Finalize()
+    os._exit(code)
+
+
+# where MPI launchers put a process's rank: an error raised before MPI is initialized is
+# said by rank 0 alone too
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _rank() -> int:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank()
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _failed(command: str, err: BaseException) -> int:
+    """An error on this rank alone: its message, with its rank under MPI, and then the end
+    of every rank (the others may be waiting for this one's messages)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    size = mpi.COMM_WORLD.Get_size() if mpi is not None else 1
+    where = f" on rank {mpi.COMM_WORLD.Get_rank()} of {size}" if size > 1 else ""
+    sys.stderr.write(f"mgrit {command}: error{where}: {err}\n")
+    sys.stderr.flush()
+    if size > 1:
+        mpi.COMM_WORLD.Abort(2)
+    return 2
 
 
 if __name__ == "__main__":

@@ -115,6 +115,21 @@ def from_torchvision_sets(train: Any, test: Any, classes: int,
     return Split(x_train, y_train, x_test, y_test, classes)
 
 
+def torchvision_hint(torch_version: str | None = None) -> str:
+    """How to install the torchvision release built for this torch without moving torch:
+    each torchvision release pins one torch release (torch 2.N goes with torchvision
+    0.N+15), and a plain `pip install torchvision` replaces a pinned torch with the one it
+    wants (and its CUDA packages)."""
+    version = (torch_version or torch.__version__).split("+")[0]
+    parts = version.split(".")
+    if len(parts) >= 2 and parts[0] == "2" and parts[1].isdigit():
+        match = f"0.{int(parts[1]) + 15}.*"
+        return (f"install the torchvision built for torch {version} without touching torch: "
+                f"pip install --no-deps 'torchvision=={match}' pillow")
+    return ("install the torchvision release that matches your torch (see "
+            "pytorch.org/get-started/previous-versions) with pip install --no-deps")
+
+
 def torchvision_dataset(name: str, root: str, download: bool,
                         dtype: torch.dtype = torch.float32) -> Split:
     """MNIST, Fashion-MNIST or CIFAR-10 through torchvision (an optional dependency)."""
@@ -123,8 +138,7 @@ def torchvision_dataset(name: str, root: str, download: bool,
     except Exception as err:
         raise DataError(f"the {name} data set needs torchvision, which is not installed or "
                         f"does not import beside this torch ({type(err).__name__}: {err}); "
-                        "install a matching pair, e.g. pip install 'mgrit[vision]', or use "
-                        "digits, peaks or mnist1d") from None
+                        f"{torchvision_hint()}, or use digits, peaks or mnist1d") from None
     cls = getattr(torchvision.datasets, TORCHVISION[name])
     try:
         train = cls(root, train=True, download=download)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -63,6 +64,8 @@ class OutputSettings:
     progress: bool = True           # progress bar on rank 0
     verbose: bool = False           # every rank logs its own progress
     trace: int = 0                  # record this many training steps to OUT/trace.json
+    overwrite: bool = False         # replace the results of another run in dir
+    label: str = ""                 # prefixes the progress lines (mgrit compare: the run)
 
 
 def _solver_defaults(direction: str) -> dict[str, Any]:
@@ -99,6 +102,13 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def explicit(self) -> set[tuple[str, str]]:
+        """The (section, key) pairs a settings file or an override gave, as opposed to the
+        defaults: a resumed run takes these from the command line and the rest from its
+        checkpoint."""
+        return self.__dict__.setdefault("_explicit", set())
 
     def network_identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed: data, network and solvers."""
@@ -143,8 +153,16 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must lie in (0, 1), got {value}")
     if (section, key) == ("output", "trace") and value < 0:
         raise SettingsError(f"{where} must be >= 0 (training steps to trace), got {value}")
+    if kind is float and not math.isfinite(value):
+        raise SettingsError(f"{where} must be a finite number, got {value}")
     if (section, key) == ("training", "lr") and not value > 0:
         raise SettingsError(f"{where} must be > 0, got {value}")
+    if (section, key) == ("network", "t_final") and not value > 0:
+        raise SettingsError(f"{where} must be > 0, got {value}")
+    if (section, key) == ("training", "momentum") and not 0 <= value < 1:
+        raise SettingsError(f"{where} must lie in [0, 1), got {value}")
+    if (section, key) == ("training", "weight_decay") and value < 0:
+        raise SettingsError(f"{where} must be >= 0, got {value}")
     return value
 
 
@@ -160,11 +178,18 @@ def apply(settings: Settings, values: dict[str, Any]) -> Settings:
         if section in ("forward", "backward"):
             if not isinstance(entries, dict):
                 raise SettingsError(f"[{section}] must be a table of solver options")
+            solver = getattr(settings, section)
             for key, value in entries.items():
                 if key not in SOLVER_KEYS:
                     raise SettingsError(f"unknown key {key!r} in [{section}]; valid keys: "
                                         f"{', '.join(SOLVER_KEYS)}")
-                getattr(settings, section)[key] = value
+                solver[key] = value
+                settings.explicit.add((section, key))
+            if "levels" in entries and (section, "relax") not in settings.explicit:
+                # the default relaxation is per level (F on the fine level, FCF below): it
+                # follows the number of levels unless the user chose one
+                relax = training_options(section, max(int(solver["levels"]), 1))["relax"]
+                solver["relax"] = list(relax) if isinstance(relax, tuple) else relax
             settings.solver(section)
             continue
         if section not in SECTIONS:
@@ -179,6 +204,7 @@ def apply(settings: Settings, values: dict[str, Any]) -> Settings:
                 raise SettingsError(f"unknown key {key!r} in [{section}]; valid keys: "
                                     f"{', '.join(valid)}")
             setattr(target, key, _coerce(section, key, value, _field_type(type(target), key)))
+            settings.explicit.add((section, key))
     return settings
 
 
@@ -253,3 +279,54 @@ def describe_keys() -> list[tuple[str, str, Any]]:
             out.append((section, key, default))
     return out
 
+
+
+# resuming ------------------------------------------------------------------------------
+
+# What a resumed run may change; it takes effect from the resumed epoch on. Everything else
+# defines the network, its partition, the data or their order, and is refused with the key
+# and both values. The hierarchy of a solve (levels, coarsening, min_coarse) stays too: the
+# checkpoint's warm-start states are shaped by it.
+RESUMABLE = {
+    "data": {"root", "download"},
+    "training": {"epochs", "lr", "momentum", "weight_decay"},
+    "output": {f.name for f in fields(OutputSettings)},
+    "forward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},
+    "backward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},
+}
+
+
+def resumed(saved: dict[str, Any], given: Settings, reset_optimizer: bool = False) -> Settings:
+    """The settings of a resumed run: those the checkpoint was written with (`saved`, as
+    `Settings.as_dict` gave them), with what the user gave now (`given.explicit`) applied
+    where a resume may change it (`RESUMABLE`; the optimizer kind too with
+    `reset_optimizer`). Anything else that differs is refused, naming key and values."""
+    settings = Settings()
+    known = {section: {k: v for k, v in entries.items()
+                       if section in ("forward", "backward") or
+                       k in {f.name for f in fields(SECTIONS[section])}}
+             for section, entries in saved.items()
+             if section in SECTIONS or section in ("forward", "backward")}
+    apply(settings, known)
+    settings.explicit.clear()
+    # the saved run's --overwrite was about how it started, not about this one
+    settings.output.overwrite = False
+    refused = []
+    current = given.as_dict()
+    for section, key in sorted(given.explicit):
+        old = known.get(section, {}).get(key)
+        new = current[section].get(key)
+        if old == new:
+            continue
+        if key in RESUMABLE.get(section, ()) or (
+                reset_optimizer and (section, key) == ("training", "optimizer")):
+            apply(settings, {section: {key: new}})
+        else:
+            refused.append(f"{section}.{key} (the checkpoint's {old!r}, now {new!r})")
+    if refused:
+        hint = (" (or --reset-optimizer to start a fresh optimizer)"
+                if any(r.startswith("training.optimizer ") for r in refused) else "")
+        raise SettingsError("--resume cannot change " + "; ".join(refused) + ": resume with "
+                            "the checkpoint's values" + hint + ", or start a new run in "
+                            "another output directory")
+    return settings

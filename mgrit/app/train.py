@@ -20,6 +20,7 @@ from ..nn.blocks import ResNetSpec, conv_step, dense_step
 from . import data as datasets
 from .data import batches
 from .loop import evaluate, train_step
+from .progress import Progress
 from .settings import Settings, SettingsError
 
 log = logging.getLogger("mgrit.train")
@@ -28,6 +29,9 @@ log = logging.getLogger("mgrit.train")
 # the network of a run ------------------------------------------------------------------
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "sigmoid": nn.Sigmoid}
+# what a run writes into its output directory (besides checkpoint-NNNN folders)
+RESULT_FILES = ("settings.json", "metrics.jsonl", "latest", "model.pt", "trace.json")
+KEPT_CHECKPOINTS = 2
 
 
 def network_for(settings: Settings, split: datasets.Split) -> ResNetSpec:
@@ -60,35 +64,22 @@ def make_optimizer(settings: Settings, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
 
-# progress ------------------------------------------------------------------------------
-
-class Progress:
-    """One line per epoch on rank 0: a bar redrawn in place on a terminal, else the final
-    line only."""
-
-    def __init__(self, enabled: bool, epoch: int, epochs: int, total: int) -> None:
-        self.enabled, self.epoch, self.epochs, self.total = enabled, epoch, epochs, total
-        self.tty = sys.stderr.isatty()
-
-    def _line(self, done: int, fields: str) -> str:
-        width = 24
-        filled = int(width * done / max(self.total, 1))
-        return (f"epoch {self.epoch}/{self.epochs} [{'#' * filled}{'.' * (width - filled)}] "
-                f"{done}/{self.total} {fields}")
-
-    def update(self, done: int, fields: str) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r" + self._line(done, fields)[:160].ljust(160))
-            sys.stderr.flush()
-
-    def close(self, fields: str) -> None:
-        if self.enabled:
-            sys.stderr.write(("\r" if self.tty else "") + self._line(self.total, fields) + "\n")
-            sys.stderr.flush()
+def results_in(folder: Path) -> list[Path]:
+    """The files and folders of a run's results in `folder`."""
+    if not folder.is_dir():
+        return []
+    named = [folder / n for n in RESULT_FILES if (folder / n).exists()]
+    return named + sorted(folder.glob("checkpoint-*"))
 
 
-def _fmt(residuals: list[float]) -> str:
-    return f"{residuals[-1]:.1e}" if residuals else "-"
+def refuse_used(folder: Path, overwrite: bool) -> None:
+    """The error for a folder that holds another run's results, unless `overwrite`."""
+    results = results_in(folder)
+    if results and not overwrite:
+        names = ", ".join(p.name for p in results[:4]) + (", ..." if len(results) > 4 else "")
+        raise SettingsError(f"{folder} holds the results of another run ({names}); pass "
+                            "--resume to continue it, --overwrite to replace it, or choose "
+                            "another output directory")
 
 
 # the job -------------------------------------------------------------------------------
@@ -96,7 +87,8 @@ def _fmt(residuals: list[float]) -> str:
 class Run:
     """One `mgrit train` run on the ranks of `world` (an mpi4py communicator, or None)."""
 
-    def __init__(self, settings: Settings, world: Any = None, resume: bool = False) -> None:
+    def __init__(self, settings: Settings, world: Any = None, resume: bool = False,
+                 reset_optimizer: bool = False) -> None:
         self.settings = settings
         self.world = world
         self.rank = world.Get_rank() if world is not None else 0
@@ -121,6 +113,10 @@ class Run:
                                    settings.data.download, settings.data.test_fraction,
                                    settings.data.samples, seed=0)
         self.steps_per_epoch = steps = len(self.split.x_train) // t.batch_size
+        if steps == 0:
+            raise SettingsError(f"[training] batch_size = {t.batch_size} is larger than the "
+                                f"{len(self.split.x_train)} training examples of "
+                                f"{settings.data.name}: an epoch would have no step")
         if trace and trace >= steps:
             raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
                                 "at most steps - 1 are traced (the first step is a warm-up)")
@@ -145,18 +141,24 @@ class Run:
             self.model: nn.Module = serial_resnet(net.step, net.num_steps, net.t_final,
                                                   net.opening, net.closing)
         else:
-            self.model = LayerParallel(net.step, net.num_steps, net.t_final,
-                                       settings.solver("forward"), settings.solver("backward"),
-                                       comm=comm, opening=net.opening,
-                                       closing=net.closing,
-                                       data_comm=self.data_comm if t.data_parallel > 1 else None)
+            try:
+                self.model = LayerParallel(net.step, net.num_steps, net.t_final,
+                                           settings.solver("forward"),
+                                           settings.solver("backward"), comm=comm,
+                                           opening=net.opening, closing=net.closing,
+                                           data_comm=self.data_comm if t.data_parallel > 1
+                                           else None)
+            except (ValueError, TypeError) as err:
+                # its checks see the same settings on every rank (or agree across them)
+                raise SettingsError(str(err)) from None
         self.optimizer = make_optimizer(settings, self.model.parameters())
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss_fn = nn.functional.cross_entropy
         self.start_epoch = 1
+        self.resuming = resume
         self._check_output(resume)
         if resume:
-            self._resume()
+            self._resume(reset_optimizer)
 
     # file system ------------------------------------------------------------------------
     def _collective(self, fn: Callable[[], Any]) -> Any:
@@ -173,8 +175,16 @@ class Run:
             raise (SettingsError if result[1] else OSError)(result[2])
         return result[1]
 
+    def _results(self) -> list[Path]:
+        return results_in(self.out)
+
     def _check_output(self, resume: bool) -> None:
+        overwrite = self.settings.output.overwrite
+
         def check() -> None:
+            if resume and overwrite:
+                raise SettingsError("--resume continues the run in the output directory and "
+                                    "--overwrite replaces it: choose one")
             existed = self.out.exists()
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -186,42 +196,110 @@ class Run:
             finally:
                 if not existed and self.out.exists() and not any(self.out.iterdir()):
                     self.out.rmdir()
-            if resume and not (self.out / "latest").exists():
-                raise SettingsError(f"--resume: no checkpoint in {self.out} (no 'latest' file)")
+            if resume:
+                if not (self.out / "latest").exists():
+                    raise SettingsError(f"--resume: no checkpoint in {self.out} (no 'latest' "
+                                        "file)")
+                return
+            refuse_used(self.out, overwrite)
+            for path in self._results():      # --overwrite: the other run's results only
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
         self._collective(check)
 
     def _checkpoint_dir(self) -> Path:
         return self.out / (self.out / "latest").read_text().strip()
 
-    def _resume(self) -> None:
+    def _agreed(self, fn: Callable[[], Any]) -> Any:
+        """fn() on every rank; if it fails on any, the same SettingsError on every rank,
+        naming each failed rank and its error (so that one rank's unreadable file ends
+        all ranks with its message, not with a hang or a bare abort)."""
+        try:
+            result, error = fn(), None
+        except Exception as err:   # handed to every rank below, then raised there
+            result, error = None, f"{type(err).__name__}: {err}" if not isinstance(
+                err, (SettingsError, OSError, ValueError)) else str(err)
+        errors = self.world.allgather(error) if self.world is not None else [error]
+        by_message: dict[str, list[int]] = {}
+        for r, e in enumerate(errors):
+            if e is not None:
+                by_message.setdefault(e, []).append(r)
+        if self.size == 1 and by_message:
+            raise SettingsError(next(iter(by_message)))
+        # a rank that only learnt that another failed adds nothing to that rank's message
+        told = {m: rs for m, rs in by_message.items() if "failed on another rank" not in m}
+        if by_message:
+            raise SettingsError("; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
+                for m, rs in (told or by_message).items()))
+        return result
+
+    def _resume(self, reset_optimizer: bool) -> None:
         folder = self._checkpoint_dir()
-        meta = json.loads((folder / "meta.json").read_text())
-        mine = json.loads(json.dumps(self.settings.network_identity()))
-        if meta["identity"] != mine:
-            diff = [k for k in mine if meta["identity"].get(k) != mine[k]]
-            raise SettingsError(f"--resume: the checkpoint in {folder} is of a different "
-                                f"network or run: {', '.join(diff)} differ")
-        if meta["ranks"] != self.size:
-            raise SettingsError(f"--resume: the checkpoint was written by {meta['ranks']} ranks, "
-                                f"this run has {self.size}")
-        if isinstance(self.model, LayerParallel):
-            extra = self.model.load_checkpoint(folder, self.optimizer)
-        else:
-            state = torch.load(folder / "serial.pt", weights_only=False)
+        optimizer = None if reset_optimizer else self.optimizer
+
+        def load() -> dict[str, Any]:
+            if isinstance(self.model, LayerParallel):
+                return self.model.load_checkpoint(folder, optimizer)
+            path = folder / "serial.pt"
+            try:
+                state = torch.load(path, weights_only=False)
+            except FileNotFoundError:
+                raise OSError(f"no checkpoint file {path}") from None
+            except Exception as err:
+                raise ValueError(f"{path} cannot be read ({type(err).__name__}: {err}): it is "
+                                 "truncated or corrupt") from None
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            extra = state["extra"]
+            if optimizer is not None:
+                optimizer.load_state_dict(state["optimizer"])
+            return state["extra"]
+
+        try:
+            extra = self._agreed(load)
+        except SettingsError as err:
+            raise SettingsError(f"--resume: the checkpoint in {folder} cannot be loaded: {err}"
+                                f"{self._intact_hint(folder.name)}") from None
+        # what the resumed run's settings say now, as the restored optimizer's state had it
+        t = self.settings.training
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = t.lr, t.weight_decay
+            if "momentum" in group:
+                group["momentum"] = t.momentum
         self.generator.set_state(extra["generator"])
-        self.start_epoch = meta["epoch"] + 1
-        if self.rank == 0:
-            self._truncate_metrics(meta["epoch"])
+        self.start_epoch = extra["epoch"] + 1
+        self._collective(lambda: self._truncate_metrics(extra["epoch"]))
+
+    def _intact_hint(self, bad: str) -> str:
+        earlier = sorted(p.name for p in self.out.glob("checkpoint-*") if p.name < bad)
+        if not earlier:
+            return ""
+        return (f". The earlier checkpoint {self.out / earlier[-1]} is kept: to resume from "
+                f"it, write its name into {self.out / 'latest'} (echo {earlier[-1]} > "
+                f"{self.out / 'latest'}) and resume again")
 
     def _truncate_metrics(self, epoch: int) -> None:
+        """Keep the metrics of epochs up to the checkpoint's. A last line cut short (the
+        run was killed while writing it) is dropped; any other unreadable line is an
+        error naming the file and line."""
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line and json.loads(line)["epoch"] <= epoch]
+        lines = path.read_text().splitlines()
+        kept = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                if number == len(lines):
+                    break
+                raise SettingsError(f"--resume: {path} line {number} is not a JSON record "
+                                    f"({err}); the file is corrupt") from None
+            if record.get("epoch", 0) <= epoch:
+                kept.append(line)
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
@@ -243,7 +321,8 @@ class Run:
             self.world.Barrier()
         if self.rank == 0:
             meta = {"epoch": epoch, "ranks": self.size,
-                    "identity": self.settings.network_identity()}
+                    "identity": self.settings.network_identity(),
+                    "settings": self.settings.as_dict()}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             final = self.out / name
             if final.exists():
@@ -252,9 +331,10 @@ class Run:
             latest = self.out / ".latest.tmp"
             latest.write_text(name)
             os.replace(latest, self.out / "latest")
-            for old in self.out.glob("checkpoint-*"):
-                if old.name != name:
-                    shutil.rmtree(old, ignore_errors=True)
+            # the previous checkpoint stays: if the newest turns out unreadable (a disk
+            # that lost it), there is one to go back to
+            for old in sorted(self.out.glob("checkpoint-*"))[:-KEPT_CHECKPOINTS]:
+                shutil.rmtree(old, ignore_errors=True)
         if self.world is not None:
             self.world.Barrier()
 
@@ -281,7 +361,16 @@ class Run:
             for stale in self.out.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
             (self.out / ".trace.json.tmp").unlink(missing_ok=True)
-        metrics = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
+        if self.start_epoch > t.epochs:
+            if self.rank == 0:
+                sys.stderr.write(f"nothing to train: the checkpoint in {self.out} is at epoch "
+                                 f"{self.start_epoch - 1} and [training] epochs = {t.epochs}; "
+                                 "pass a larger --epochs to train further\n")
+            return {}
+        # a new run starts its own metrics; a resumed one continues them (cut back to the
+        # checkpoint's epoch when it was loaded)
+        mode = "a" if self.resuming else "w"
+        metrics = open(self.out / "metrics.jsonl", mode) if self.rank == 0 else None
         summary: dict[str, Any] = {}
         try:
             for epoch in range(self.start_epoch, t.epochs + 1):
@@ -297,7 +386,8 @@ class Run:
 
     def _epoch(self, epoch: int, steps: int, metrics: Any) -> dict[str, Any]:
         s, t = self.settings, self.settings.training
-        progress = Progress(self.rank == 0 and s.output.progress, epoch, t.epochs, steps)
+        progress = Progress(self.rank == 0 and s.output.progress, epoch, t.epochs, steps,
+                            label=s.output.label or None)
         self.model.train()
         start = time.perf_counter()
         losses, correct, seen = [], 0, 0
@@ -322,10 +412,14 @@ class Run:
                       "backward_residuals": stats.get("backward", {}).get("residuals", [])}
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
-            progress.update(step, f"loss {value:.4f} acc {correct / max(seen, 1) * 100:.1f}% "
-                                  f"res f {_fmt(record['forward_residuals'])} "
-                                  f"b {_fmt(record['backward_residuals'])} "
-                                  f"{seconds * 1e3:.1f} ms/step")
+            fields: dict[str, Any] = {"loss": value, "acc": correct / max(seen, 1)}
+            for kind in ("forward", "backward"):
+                if kind in stats:
+                    fields[f"{kind}_cycles"] = stats[kind]["iterations"]
+                    residuals = stats[kind]["residuals"]
+                    fields[f"{kind}_residual"] = residuals[-1] if residuals else None
+            fields["ms_per_step"] = seconds * 1e3
+            progress.update(step, fields)
             if s.output.verbose:
                 log.info("rank %d epoch %d step %d loss %.4f", self.rank, epoch, step, value)
         train_seconds = time.perf_counter() - start
@@ -338,8 +432,8 @@ class Run:
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        progress.close(f"loss {record['train_loss']:.4f} test acc {test_acc * 100:.2f}% "
-                       f"{record['seconds_per_step'] * 1e3:.1f} ms/step")
+        progress.close({"loss": record["train_loss"], "test_acc": test_acc,
+                        "ms_per_step": record["seconds_per_step"] * 1e3})
         return record
 
     # tracing (output.trace = K: steps 2..K+1 of the first epoch) -------------------------

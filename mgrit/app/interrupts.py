@@ -1,0 +1,74 @@
+"""Ctrl-C and SIGTERM during `mgrit train`: every rank ends within moments, and rank 0 says
+in two lines what was kept and the command that continues the run; no rank prints a
+traceback.
+
+Under mpiexec the launcher passes Ctrl-C on to every rank. Each rank's handler ends its
+process at once (`os._exit`): unwinding would run cleanup that waits on other ranks, which
+may be gone. Nothing is lost that a resume needs: checkpoints are written to a temporary
+folder and renamed when complete, and a resume cuts the metrics back to its checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+# flags that a resumed run must not repeat
+_DROPPED = {"--resume", "--overwrite", "--reset-optimizer"}
+
+
+def resume_command(argv: list[str], ranks: int) -> str:
+    """The command that continues the run that `argv` (sys.argv of `mgrit train ...`)
+    started on `ranks` ranks."""
+    args = [a for a in argv[1:] if a not in _DROPPED] + ["--resume"]
+    prefix = (f"mpiexec -n {ranks} python -m mpi4py -m mgrit" if ranks > 1 else "mgrit")
+    return f"{prefix} {shlex.join(args)}"
+
+
+def kept(out: Path) -> str:
+    """What a resume would start from: the checkpoint `latest` names, if any."""
+    latest = out / "latest"
+    try:
+        name = latest.read_text().strip()
+    except OSError:
+        return (f"no checkpoint in {out} yet (one is written at the end of every epoch); "
+                "start the run again")
+    return f"kept: {out / name} (the last completed epoch)"
+
+
+def message(signum: int, out: Path, argv: list[str], ranks: int) -> str:
+    name = signal.Signals(signum).name
+    lines = [f"mgrit train: stopped by {name} on all {ranks} ranks; {kept(out)}"
+             if ranks > 1 else f"mgrit train: stopped by {name}; {kept(out)}"]
+    if (out / "latest").exists():
+        lines.append(f"continue with: {resume_command(argv, ranks)}")
+    return "\n".join(lines) + "\n"
+
+
+def install(world: Any, settings: Any, argv: list[str]) -> None:
+    """SIGINT and SIGTERM end this rank at once; rank 0 first writes `message`."""
+    rank = world.Get_rank() if world is not None else 0
+    ranks = world.Get_size() if world is not None else 1
+    out = Path(settings.output.dir)
+
+    def handler(signum: int, frame: Any) -> None:
+        if rank == 0:
+            try:
+                sys.stderr.write(message(signum, out, argv, ranks))
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001 - the process ends either way
+                pass
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def stopped() -> int:
+    """Ctrl-C before the handlers were installed (while settings or data load)."""
+    sys.stderr.write("mgrit: interrupted before training started; nothing was written\n")
+    return 128 + signal.SIGINT
