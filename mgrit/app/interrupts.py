@@ -6,6 +6,12 @@ Under mpiexec the launcher passes Ctrl-C on to every rank. Each rank's handler e
 process at once (`os._exit`): unwinding would run cleanup that waits on other ranks, which
 may be gone. Nothing is lost that a resume needs: checkpoints are written to a temporary
 folder and renamed when complete, and a resume cuts the metrics back to its checkpoint.
+
+The message comes from whichever rank handles the signal first, not always from rank 0:
+Python runs a signal handler only between bytecodes, so a rank blocked in an MPI wait
+handles it only when the wait returns, and once another rank has ended the launcher kills
+it first. The ranks agree on a marker file in the output directory; the rank that creates
+it speaks.
 """
 
 from __future__ import annotations
@@ -49,19 +55,34 @@ def message(signum: int, out: Path, argv: list[str], ranks: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+MARKER = ".stopped-"
+
+
 def install(world: Any, settings: Any, argv: list[str]) -> None:
-    """SIGINT and SIGTERM end this rank at once; rank 0 first writes `message`."""
+    """SIGINT and SIGTERM end this rank at once; the first rank to handle one writes
+    `message`. Collective (the ranks agree on the marker's name)."""
     rank = world.Get_rank() if world is not None else 0
     ranks = world.Get_size() if world is not None else 1
     out = Path(settings.output.dir)
+    job = world.bcast(os.getpid() if rank == 0 else None, root=0) if world is not None \
+        else os.getpid()
+
+    def first() -> bool:
+        try:
+            os.close(os.open(out / f"{MARKER}{job}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:        # no output directory yet: rank 0 speaks
+            return rank == 0
 
     def handler(signum: int, frame: Any) -> None:
-        if rank == 0:
-            try:
+        try:
+            if first():
                 sys.stderr.write(message(signum, out, argv, ranks))
                 sys.stderr.flush()
-            except Exception:  # noqa: BLE001 - the process ends either way
-                pass
+        except Exception:  # noqa: BLE001 - the process ends either way
+            pass
         os._exit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -360,6 +360,8 @@ class Run:
             (self.out / "settings.json").write_text(json.dumps(s.as_dict(), indent=2))
             for stale in self.out.glob(".checkpoint-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
+            for marker in self.out.glob(".stopped-*"):   # of an interrupted earlier run
+                marker.unlink(missing_ok=True)
             (self.out / ".trace.json.tmp").unlink(missing_ok=True)
         if self.start_epoch > t.epochs:
             if self.rank == 0:
