@@ -253,3 +253,17 @@ def test_the_license_the_package_declares_is_there():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
     assert declared == "MIT"
     assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_the_resume_command_repeats_the_run_without_its_one_off_flags(tmp_path, capsys):
+    from mgrit.app import interrupts
+
+    argv = ["/x/mgrit/__main__.py", "train", "--out", "a b", "--overwrite", "--lr", "0.1"]
+    assert interrupts.resume_command(argv, 2) == \
+        "mpiexec -n 2 python -m mpi4py -m mgrit train --out 'a b' --lr 0.1 --resume"
+    assert interrupts.resume_command(argv, 1) == "mgrit train --out 'a b' --lr 0.1 --resume"
+    said = interrupts.message(signal.SIGTERM, tmp_path, argv, 1)
+    assert said == f"mgrit train: stopped by SIGTERM; no checkpoint in {tmp_path} yet (one is " \
+                   "written at the end of every epoch); start the run again\n"
+    assert interrupts.stopped("compare") == 130
+    assert capsys.readouterr().err == "mgrit compare: interrupted\n"

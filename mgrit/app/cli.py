@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, OSError, ValueError, TypeError, ImportError, RuntimeError) as err:
         return _failed(args.command, err)
     except KeyboardInterrupt:
-        return interrupts.stopped()
+        return interrupts.stopped(args.command)
 
 
 def _ended_together(code: int) -> int:

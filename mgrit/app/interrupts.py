@@ -89,7 +89,9 @@ def install(world: Any, settings: Any, argv: list[str]) -> None:
         signal.signal(sig, handler)
 
 
-def stopped() -> int:
-    """Ctrl-C before the handlers were installed (while settings or data load)."""
-    sys.stderr.write("mgrit: interrupted before training started; nothing was written\n")
+def stopped(command: str) -> int:
+    """Ctrl-C where no handler was installed: `mgrit train` before training started (while
+    settings or data load), or another command."""
+    said = (" before training started; nothing was written" if command == "train" else "")
+    sys.stderr.write(f"mgrit {command}: interrupted{said}\n")
     return 128 + signal.SIGINT
