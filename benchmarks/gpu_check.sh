@@ -88,7 +88,7 @@ RANKS=${RANKS-1,2,4,8,16}
 if [ -n "$RANKS" ]; then
     echo "== real ranks: $RANKS" | tee -a "$LOG"
     # one virtual-rank run per point (RANKS_PROCESSES): with the cases' own 2-3 runs per
-    # point the predictions did not finish within the first visit's limit (docs/scaling.md)
+    # point the predictions did not finish within the first run's limit (docs/scaling.md)
     timeout "${RANKS_TIMEOUT:-420}" "$PY" -m benchmarks.scaling.ranks "$OUT" --ranks "$RANKS" \
         --processes "${RANKS_PROCESSES:-1}" \
         2>&1 | tee "$OUT/ranks.log" | tee -a "$LOG"
