@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..nn import LayerParallel, serial_resnet
 from ..nn.blocks import ResNetSpec, conv_step, dense_step
+from ..nn.checkpoint import FailedElsewhere
 from . import data as datasets
 from .data import batches
 from .loop import evaluate, train_step
@@ -219,22 +220,24 @@ class Run:
         try:
             result, error = fn(), None
         except Exception as err:   # handed to every rank below, then raised there
-            result, error = None, f"{type(err).__name__}: {err}" if not isinstance(
-                err, (SettingsError, OSError, ValueError)) else str(err)
+            text = (str(err) if isinstance(err, (SettingsError, OSError, ValueError))
+                    else f"{type(err).__name__}: {err}")
+            # a rank that only learnt that another failed adds nothing to that rank's message
+            result, error = None, (text, isinstance(err, FailedElsewhere))
         errors = self.world.allgather(error) if self.world is not None else [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return result
+        if self.size == 1:
+            raise SettingsError(failed[0][1][0])
+        told = [(r, text) for r, (text, elsewhere) in failed if not elsewhere] or \
+            [(r, text) for r, (text, _) in failed]
         by_message: dict[str, list[int]] = {}
-        for r, e in enumerate(errors):
-            if e is not None:
-                by_message.setdefault(e, []).append(r)
-        if self.size == 1 and by_message:
-            raise SettingsError(next(iter(by_message)))
-        # a rank that only learnt that another failed adds nothing to that rank's message
-        told = {m: rs for m, rs in by_message.items() if "failed on another rank" not in m}
-        if by_message:
-            raise SettingsError("; ".join(
-                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
-                for m, rs in (told or by_message).items()))
-        return result
+        for r, text in told:
+            by_message.setdefault(text, []).append(r)
+        raise SettingsError("; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
+            for m, rs in by_message.items()))
 
     def _resume(self, reset_optimizer: bool) -> None:
         folder = self._checkpoint_dir()

@@ -42,6 +42,11 @@ class CheckpointError(ValueError):
     network. The message names the file (or folder) and what is wrong with it."""
 
 
+class FailedElsewhere(CheckpointError):
+    """Raised on the ranks whose own part loaded while another rank's failed: that rank's
+    error is the informative one."""
+
+
 def _file_name(rank: int, ranks: int, data: int | None) -> str:
     suffix = f"-data{data:05d}" if data is not None else ""
     return f"rank{rank:05d}-of-{ranks:05d}{suffix}.pt"
@@ -421,7 +426,7 @@ def load(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
     if failure is not None:
         raise failure
     if failed:
-        raise CheckpointError(f"loading the checkpoint in {directory} failed on another rank "
+        raise FailedElsewhere(f"loading the checkpoint in {directory} failed on another rank "
                               "(its error names the file)")
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
