@@ -102,7 +102,7 @@ def test_batch_shapes_that_differ_between_ranks_fail_everywhere(mpi):
     run = mpi("layer_parallel.py", 3, "bad-batch", timeout=60)
     assert run.returncode == 0, run.stderr
     for rep in run.by_rank().values():
-        assert "input batch shape and dtype differ between ranks" in rep["results"]["error"]
+        assert "input batch shape and dtype, and context inputs differ between ranks" in rep["results"]["error"]
 
 
 def test_no_grad_forward_does_not_disturb_the_pending_backward():

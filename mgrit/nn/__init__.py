@@ -6,11 +6,14 @@ adjoint propagators (`propagators`, computing through a step strategy chosen by 
 their solvers (`passes`), the copies of other ranks' layers (`ghosts`), parameter gradients
 (`gradients`) and checkpoints and export (`checkpoint`); `serial_resnet` is the plain
 network it computes, `blocks` builds both from one description, `defaults` holds
-training's solver settings."""
+training's solver settings; `randomness` defines the keyed random draws of stochastic layers
+and `transformer` the batched transformer block."""
 
 from .checkpoint import CheckpointError, serial_state_dict
+from .randomness import Dropout, draws, layer_key
 from .layer_parallel import LayerParallel
-from .serial import ResidualStep, serial_resnet
+from .serial import ResidualNetwork, ResidualStep, serial_resnet
+from .transformer import TransformerBlock
 
-__all__ = ["CheckpointError", "LayerParallel", "ResidualStep", "serial_resnet",
-           "serial_state_dict"]
+__all__ = ["CheckpointError", "Dropout", "LayerParallel", "ResidualNetwork", "ResidualStep",
+           "TransformerBlock", "draws", "layer_key", "serial_resnet", "serial_state_dict"]

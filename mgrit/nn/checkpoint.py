@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..core.grid import layer_ranges
 from .ghosts import placement
 from .passes import Passes
-from .serial import ResidualStep
+from .serial import ResidualNetwork, ResidualStep
 
 if TYPE_CHECKING:
     from .layer_parallel import LayerParallel
@@ -75,7 +75,9 @@ def save(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
     state = {"format": CHECKPOINT_FORMAT, "layout": _layout(model),
              "model": model.state_dict(),
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
-             "warm": passes.warm_states(), "extra": extra}
+             "warm": passes.warm_states(), "extra": extra,
+             # the keyed random draws continue where they were (mgrit.nn.randomness)
+             "draws": {"seed": model.draw_seed, "step": model.draw_step}}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -403,7 +405,8 @@ def _assemble(model: LayerParallel, passes: Passes, directory: str | os.PathLike
         _verify(f)
     out = {"model": _model_state(model, pieces, base),
            "extra": _clone(base.state["extra"]),
-           "warm": _clone(base.state["warm"]) if same else None}
+           "warm": _clone(base.state["warm"]) if same else None,
+           "draws": base.state.get("draws")}
     if optimizer is not None:
         out["optimizer"] = _optimizer_state(model, optimizer, pieces, base)
     return out
@@ -431,6 +434,9 @@ def load(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+    if loaded["draws"] is not None:
+        model.draw_seed = model.layers.draw_seed = int(loaded["draws"]["seed"])
+        model.draw_step = int(loaded["draws"]["step"])
     if loaded["warm"] is not None:
         _, device = placement(model.layers)
         passes.set_warm_states(_to(loaded["warm"], device), device)
@@ -469,7 +475,7 @@ def serial_state_dict(directory: str | os.PathLike) -> dict[str, Tensor]:
     return out
 
 
-def to_serial(model: LayerParallel) -> nn.Sequential | None:
+def to_serial(model: LayerParallel) -> ResidualNetwork | None:
     """The equivalent plain network on rank 0 (see `LayerParallel.to_serial`), None on the
     other ranks; every rank takes part (its layers are gathered)."""
     layers = model.layers
@@ -491,5 +497,5 @@ def to_serial(model: LayerParallel) -> nn.Sequential | None:
             target.data = value.clone()
         for p, ref in zip(f.parameters(), requires_grad):
             p.requires_grad_(ref)
-        steps.append(ResidualStep(f, model.h))
-    return nn.Sequential(copy.deepcopy(model.opening), *steps, copy.deepcopy(model.closing))
+        steps.append(ResidualStep(f, model.h, n))
+    return ResidualNetwork(copy.deepcopy(model.opening), *steps, copy.deepcopy(model.closing))

@@ -81,3 +81,26 @@ def average_gradients(parameters: Iterable[nn.Parameter], data_comm: Comm) -> No
         else:
             p.grad.copy_(grad)
         offset += n
+
+
+def context_gradients(recorded: list[tuple[list[int], dict[str, Tensor], float]],
+                      context: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """dL/dc of the context tensors that require grad, summed over this rank's layers: each
+    layer's cotangent (recorded under `prefix + name`, one row per layer of a batch; a layer
+    recorded twice counts once, its later entry; a batch without an entry contributed
+    zeros) times its step size."""
+    live = [name for name, value in context.items() if value.requires_grad]
+    rows: dict[int, dict[str, Tensor | None]] = {}
+    for batch, cotangents, dt in recorded:
+        for i, layer in enumerate(batch):
+            rows[layer] = {name: (cotangents[prefix + name][i] * dt
+                                  if prefix + name in cotangents else None)
+                           for name in live}
+    out = {}
+    for name in live:
+        total = torch.zeros_like(context[name])
+        for entry in rows.values():
+            if entry[name] is not None:
+                total += entry[name]
+        out[name] = total
+    return out

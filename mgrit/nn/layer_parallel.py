@@ -21,19 +21,24 @@ from ..core.grid import build_hierarchy, layer_ranges, level0_blocks
 from . import checkpoint
 from .defaults import training_config
 from .ghosts import GhostExchange
-from .gradients import average_gradients, layer_gradients
+from .gradients import average_gradients, context_gradients, layer_gradients
 from .passes import Passes
 from .stack import LayerStack, build_layers
+from .steps import CONTEXT
 
 
 class _ODESolve(torch.autograd.Function):
-    """u_N = MGRIT(u_0) forward; the adjoint MGRIT solve and parameter VJPs backward."""
+    """u_N = MGRIT(u_0) forward; the adjoint MGRIT solve, parameter and context VJPs
+    backward."""
 
     @staticmethod
-    def forward(ctx, model: "LayerParallel", u0: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, model: "LayerParallel", names: tuple[str, ...], u0: Tensor,
+                *tensors: Tensor) -> Tensor:
         out = model._solve_forward(u0, keep=True)
         ctx.model = model
         ctx.token = model._forward_token
+        ctx.context = dict(zip(names, tensors))
+        ctx.draw_step = model.layers.draw_step
         return out
 
     @staticmethod
@@ -42,10 +47,14 @@ class _ODESolve(torch.autograd.Function):
         if ctx.token != model._forward_token:
             raise RuntimeError("backward through an older forward pass: LayerParallel keeps "
                                "the states of its latest forward pass with gradients only")
-        grad_u0, grads = model._solve_backward(grad_out)
+        # the forward pass's context and random draws, whatever passes came in between
+        model.layers.context = ctx.context
+        model.layers.draw_step = ctx.draw_step
+        grad_u0, context_grads, grads = model._solve_backward(grad_out)
         if model.data_comm is not None:
             torch.autograd.Variable._execution_engine.queue_callback(model._average_gradients)
-        return (None, grad_u0, *grads)
+        return (None, None, grad_u0, *[context_grads.get(name) for name in ctx.context],
+                *grads)
 
 
 class LayerParallel(nn.Module):
@@ -71,20 +80,29 @@ class LayerParallel(nn.Module):
                pass. MGRIT solved to a tolerance would take many cycles for the same
                output (and never reach one below the dtype's round-off).
 
-    `model(x)` returns the output on every rank. `model.stats` holds the cycles and
-    residuals of the latest forward and backward solves.
+    seed:      the seed of the keyed random draws of stochastic layers (dropout; see
+               `mgrit.nn.draws`); default: rank 0's `torch.initial_seed()`.
+
+    `model(x, **context)` returns the output on every rank; the context tensors (masks,
+    positions, conditioning: constant over depth) go to every step as keyword arguments,
+    on every level and in the adjoint, and get gradients where they require grad.
+    `model.stats` holds the cycles and residuals of the latest forward and backward solves.
+    In training mode every forward pass is a new training step of the draws: layer n of
+    pass k draws with `mgrit.nn.layer_key(seed, k, n)` (`draw_step` counts the passes).
     """
 
     def __init__(self, step: Callable[[], nn.Module], num_steps: int, t_final: float = 1.0,
                  forward: Config | None = None, backward: Config | None = None,
                  comm: Comm | Any = None, opening: nn.Module | None = None,
                  closing: nn.Module | None = None, data_comm: Any = None,
-                 inference: Config | None = None) -> None:
+                 inference: Config | None = None, seed: int | None = None) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
         if not isinstance(t_final, (int, float)) or not t_final > 0:
             raise ValueError(f"t_final must be a positive number, got {t_final!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.num_steps = num_steps
         self.t_final = float(t_final)
         self.h = self.t_final / num_steps
@@ -118,6 +136,9 @@ class LayerParallel(nn.Module):
         self.layer_range = (lo, hi)
         template, kept = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
+        self.draw_seed = self._agreed_seed(seed)
+        self.layers.draw_seed = self.draw_seed
+        self.draw_step = 0      # training forward passes so far: the next one's draws
         self.opening = opening if opening is not None else nn.Identity()
         self.closing = closing if closing is not None else nn.Identity()
         self._passes = Passes(self.layers, num_steps, self.t_final, self.forward_config,
@@ -130,23 +151,57 @@ class LayerParallel(nn.Module):
         self.stats: dict[str, dict[str, Any]] = {}
 
     # set-up ----------------------------------------------------------------------
-    def _check_state(self, u0: Tensor) -> None:
-        """Local checks (every rank reaches the same verdict), then one agreement."""
-        key = (tuple(u0.shape), u0.dtype)
+    def _agreed_seed(self, seed: int | None) -> int:
+        """The draws' seed: given, or rank 0's `torch.initial_seed()` (63 bits)."""
+        if seed is not None:
+            return seed
+        value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
+        self.comm.bcast_(value, 0)
+        return int(value[0])
+
+    def _check_state(self, u0: Tensor, context: dict[str, Tensor]) -> None:
+        """One agreement between ranks on what they were given, then local checks (every
+        rank reaches the same verdict, so all raise or none does)."""
+        described = tuple((name, tuple(v.shape), str(v.dtype), v.requires_grad)
+                          if isinstance(v, Tensor) else (name, type(v).__name__)
+                          for name, v in sorted(context.items()))
+        self.comm.agree("input batch shape and dtype, and context inputs",
+                        (tuple(u0.shape), str(u0.dtype), described))
+        for name, value in context.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"context input {name!r} must be a tensor, got "
+                                f"{type(value).__name__}: pass other settings to the step "
+                                "module's constructor")
+            if value.device != u0.device:
+                raise ValueError(f"context input {name!r} is on {value.device}, the state on "
+                                 f"{u0.device}")
+        key = (tuple(u0.shape), u0.dtype, described, self.training)
         if key not in self._checked_shapes:
+            layers = self.layers
             with torch.no_grad():
-                out = self.layers.f(self.layers.placeholder(), u0.detach())
+                try:
+                    out = layers.f(layers.placeholder(), u0.detach())
+                except TypeError as err:
+                    if not context:
+                        raise
+                    raise ValueError(f"the step module does not take the context inputs "
+                                     f"{sorted(context)} as keyword arguments of its forward "
+                                     f"({err})") from None
             if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
                 got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
                        else type(out).__name__)
                 raise ValueError(f"the step module maps a state of shape {tuple(u0.shape)}, "
                                  f"dtype {u0.dtype} to {got}; a residual step needs the same "
                                  "shape and dtype")
+            if self.training and not layers.batched and not layers.torch_random:
+                layers.torch_random = _draws_from_generator(layers, u0)
             self._checked_shapes.add(key)
-        self.comm.agree("input batch shape and dtype", (tuple(u0.shape), str(u0.dtype)))
 
     # the two solves ----------------------------------------------------------------
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
+        if self.training:
+            self.layers.draw_step = self.draw_step
+            self.draw_step += 1
         with torch.no_grad():
             self._ghosts.refresh()
             res = self._passes.solve_forward(u0, keep, inference=not self.training)
@@ -155,25 +210,40 @@ class LayerParallel(nn.Module):
         self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals}
         return res.final
 
-    def _solve_backward(self, grad_out: Tensor) -> tuple[Tensor, list[Tensor | None]]:
+    def _solve_backward(self, grad_out: Tensor
+                        ) -> tuple[Tensor, dict[str, Tensor], list[Tensor | None]]:
         with torch.no_grad():
             res, recorded = self._passes.solve_backward(grad_out)
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
             grads = layer_gradients(self.layers, recorded)
+            context = self.layers.context
+            context_grads = context_gradients(recorded, context, CONTEXT)
+            if context_grads and self.comm.size > 1:
+                # each rank's sum covers its own layers: the whole is the sum over ranks
+                flat = torch.cat([g.reshape(-1) for g in context_grads.values()])
+                self.comm.allreduce_sum_(flat)
+                offset = 0
+                for name, g in context_grads.items():
+                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                    offset += g.numel()
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]
             out.append(grads[name] if param.requires_grad else None)
-        return res.final, out
+        return res.final, context_grads, out
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, **context: Tensor) -> Tensor:
         u0 = self.opening(x)
         if not isinstance(u0, Tensor):
             raise TypeError(f"the opening must return a tensor, got {type(u0).__name__}")
-        self._check_state(u0)
+        self.layers.context = context
+        self._check_state(u0, context)
         params = list(self.layers.params.values())
-        if torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in params)):
-            u_final = _ODESolve.apply(self, u0, *params)
+        names = tuple(context)
+        values = tuple(context.values())
+        if torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in params)
+                                        or any(v.requires_grad for v in values)):
+            u_final = _ODESolve.apply(self, names, u0, *values, *params)
         else:
             u_final = self._solve_forward(u0, keep=False)
         return self.closing(u_final)
@@ -220,3 +290,20 @@ class LayerParallel(nn.Module):
         return (f"num_steps={self.num_steps}, t_final={self.t_final}, rank {self.comm.rank} of "
                 f"{self.comm.size} owns layers {lo}..{hi}")
 
+
+
+def _draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:
+    """Whether the step module draws from torch's generator in training mode (beyond the
+    keyed `Dropout`s): it then fails vmap's randomness check. Such modules run layer by
+    layer, each seeded with its key (`mgrit.nn.steps`)."""
+    from torch.func import vmap
+
+    from . import randomness as draws
+
+    placeholder = layers.placeholder()
+    try:
+        with torch.no_grad(), draws.keyed(0):
+            vmap(lambda u: layers.f(placeholder, u), randomness="error")(u0.detach()[None])
+    except RuntimeError as err:
+        return "random" in str(err)
+    return False

@@ -59,11 +59,13 @@ class NetworkPropagator:
         self.outputs: dict[int, Kept] | None = (
             {} if keep_outputs and self.kernels.keeps_values else None)
         self._keeping = False
+        self._random = False
 
     def begin(self) -> None:
         """A new solve: the step strategy for it (whether native kernels may run is read
-        here, once)."""
+        here, once), and whether its steps draw random numbers (keyed per layer)."""
         self.kernels = self._selection.current()
+        self._random = self.stack.random
 
     def final_sweep(self, active: bool) -> None:
         """The solver's hook around its final fine sweep: keep outputs while it runs."""
@@ -75,10 +77,16 @@ class NetworkPropagator:
     def graph_key(self) -> tuple[int, ...] | None:
         """For CUDA graphs of sweeps (`SweepGraphs`): the parameters' storage, or None while
         the steps keep their outputs (Python bookkeeping that a replay would skip)."""
-        return None if self._keeping else self.stack.storage_key()
+        if self._keeping or self._random or self.stack.context:
+            # keys and context tensors are new every pass: a replay would reuse old ones
+            return None
+        return self.stack.storage_key()
 
     def step(self, u: Tensor, s: Step) -> Tensor:
         n = s.fine_index
+        if self._random:
+            with self.stack.drawing(n):
+                return self.kernels.step(n, self.stack.views(n), u, s.dt)
         return self.kernels.step(n, self.stack.views(n), u, s.dt)
 
     def step_into(self, u: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:
@@ -87,7 +95,7 @@ class NetworkPropagator:
         n = s.fine_index
         kernels = self.kernels
         if not kernels.keeps_values:
-            write_result(out, kernels.step(n, self.stack.views(n), u, s.dt), g)
+            write_result(out, self.step(u, s), g)
             return
         kept = kernels.step_into(n, self.stack.views(n), u, s.dt, out, g,
                                  self._keeping and s.level == 0)
@@ -98,11 +106,18 @@ class NetworkPropagator:
         m = steps.level_stride
         return self.stack.rows(steps.start * m, steps.stride * m, steps.count)
 
+    def _layers(self, steps: StepBatch) -> Tensor:
+        m = steps.level_stride
+        return torch.arange(steps.count) * (steps.stride * m) + steps.start * m
+
     def step_batch(self, states: Tensor, steps: StepBatch) -> Tensor:
         if self._keeping and steps.level == 0:
             out = torch.empty_like(states)
             self.step_batch_into(states, steps, out, None)
             return out
+        if self._random:
+            with self.stack.drawing(self._layers(steps)):
+                return self.kernels.batch(self._rows(steps), states, steps.dt)
         return self.kernels.batch(self._rows(steps), states, steps.dt)
 
     def step_batch_into(self, states: Tensor, steps: StepBatch, out: Tensor,
@@ -111,7 +126,7 @@ class NetworkPropagator:
         where the strategy writes layer by layer."""
         kernels = self.kernels
         if not kernels.keeps_values:
-            write_result(out, kernels.batch(self._rows(steps), states, steps.dt), g)
+            write_result(out, self.step_batch(states, steps), g)
             return
         outputs = kernels.batch_into(self._rows(steps), states, steps.dt, out, g,
                                      self._keeping and steps.level == 0)
@@ -152,14 +167,16 @@ class AdjointPropagator:
         # op outputs at a forward point that the forward pass did not keep, computed at their
         # first use in this backward solve (same form as `outputs`)
         self._computed: dict[int, Kept] = {}
+        self._random = False
 
     def begin(self) -> None:
-        """A new backward solve: new forward states, no gradients yet, and the step
-        strategy for it."""
+        """A new backward solve: new forward states, no gradients yet, the step strategy
+        for it and whether its steps draw random numbers (with the forward pass's keys)."""
         self.gradients = []
         self._gathered.clear()
         self._computed.clear()
         self.kernels = self._selection.current()
+        self._random = self.stack.random
 
     def final_sweep(self, active: bool) -> None:
         """The solver's hook around its final fine sweep: record parameter cotangents."""
@@ -217,7 +234,11 @@ class AdjointPropagator:
                 return self._vjp_nonzero(t, us, ws, layers, level, dt, nonzero, record)
         values = (self._batch_values(t, us, layers, batch) if kernels.wants_values(record)
                   else None)
-        out, dp = kernels.vjp(t, us, ws, dt, values, record)
+        if self._random:
+            with self.stack.drawing(layers):
+                out, dp = kernels.vjp(t, us, ws, dt, values, record)
+        else:
+            out, dp = kernels.vjp(t, us, ws, dt, values, record)
         if record:
             self.gradients.append((layers, dp, dt))
         return out
@@ -252,6 +273,9 @@ class AdjointPropagator:
                 or not _is_nonzero(w)):
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level,
                              s.dt)[0]
+        if self._random:
+            with self.stack.drawing(p):
+                return self.kernels.vjp_single(p, u, w, s.dt)
         return self.kernels.vjp_single(p, u, w, s.dt)
 
     def step_into(self, w: Tensor, s: Step, out: Tensor, g: Tensor | None) -> None:

@@ -8,6 +8,7 @@ rank are a handful of tensors for the optimiser.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..kernels.chain import Chain
+from . import randomness as draws
 
 _NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
 
@@ -31,7 +33,8 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     Every rank draws the same random numbers in the same order as a serial
     `[factory() for _ in range(N)]`, so layer n starts from the same values whichever
     rank owns it. Returns a template (layer 0) and the kept layers; checks that all
-    layers have the same parameters and no running statistics.
+    layers have the same parameters and no running statistics. Every nn.Dropout inside
+    becomes `mgrit.nn.Dropout` (keyed draws, see `mgrit.nn.draws`).
     """
     template = None
     kept: dict[int, nn.Module] = {}
@@ -40,6 +43,7 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
         layer = factory()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"the step factory must return an nn.Module, got {type(layer).__name__}")
+        draws.replace_dropout(layer)
         for sub in layer.modules():
             if isinstance(sub, _NORM_WITH_STATS) and sub.track_running_stats:
                 raise ValueError(
@@ -103,6 +107,45 @@ class LayerStack(nn.Module):
         # the hand-written kernels' view of the step module, None where it is not a chain
         # of ops they cover (then torch.func computes)
         self.chain = Chain.of(template)
+        # a step module that advances a batch of layers itself (`forward_batched`, e.g.
+        # `mgrit.nn.TransformerBlock`): no vmap, no per-sample fallbacks
+        self.batched = callable(getattr(template, "forward_batched", None))
+        # tensors constant over depth that every step takes as keyword arguments, set by
+        # LayerParallel for the pass under way (masks, positions, conditioning)
+        self.context: dict[str, Tensor] = {}
+        # keyed draws: whether the step module has stochastic layers (keyed `Dropout`),
+        # and whether it also draws from torch's generator (found by a probe under
+        # vmap's randomness check; then batches run layer by layer, each layer seeded with
+        # its key); `draw_seed` and `draw_step` give the keys (`mgrit.nn.draws`)
+        self.keyed_random = any(isinstance(m, draws.Dropout) for m in template.modules())
+        self.torch_random = False
+        self.draw_seed = 0
+        self.draw_step = 0
+
+    @property
+    def random(self) -> bool:
+        """Whether evaluations draw random numbers now (stochastic layers, training mode)."""
+        return self.training and (self.keyed_random or self.torch_random)
+
+    def drawing(self, layers: int | list[int] | Tensor):
+        """The keys of `layers` (one layer: an int) for the evaluations inside, when the
+        steps draw random numbers; a no-op context otherwise."""
+        if not self.random:
+            return contextlib.nullcontext()
+        if isinstance(layers, int):
+            return draws.keyed(draws.layer_key(self.draw_seed, self.draw_step, layers))
+        # keys stay on the CPU: the masks they select are cached by value
+        index = layers if isinstance(layers, Tensor) else torch.tensor(layers)
+        return draws.keyed(draws.layer_keys(self.draw_seed, self.draw_step, index.cpu()))
+
+    def train(self, mode: bool = True) -> "LayerStack":
+        """Training or evaluation mode, for the template and the per-layer modules too
+        (they are not registered submodules): dropout draws only in training."""
+        super().train(mode)
+        self.template.train(mode)
+        for module in self._modules_by_layer.values():
+            module.train(mode)
+        return self
 
     @property
     def count(self) -> int:
@@ -219,6 +262,7 @@ class LayerStack(nn.Module):
                 sub._parameters.pop(attr, None)
                 sub._buffers.pop(attr, None)
                 setattr(sub, attr, value)
+            mod.train(self.training)
             self._modules_by_layer[layer] = mod
         return self._modules_by_layer[layer]
 
@@ -234,4 +278,4 @@ class LayerStack(nn.Module):
 
     # evaluation ----------------------------------------------------------------
     def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
-        return functional_call(self.template, tensors, (u,))
+        return functional_call(self.template, tensors, (u,), self.context)
