@@ -84,3 +84,50 @@ def cosine(pairs) -> float:
         na += float(a.pow(2).sum())
         nb += float(b.pow(2).sum())
     return dot / (na * nb) ** 0.5
+
+
+def inexact_config(levels: int, cycles: int, warm: bool = False):
+    """Training's inexact solves at `levels` levels (coarsening 2, F then FCF)."""
+    relax = ("F",) + ("FCF",) * (levels - 2) if levels > 1 else "F"
+    return mgrit.Config(levels=levels, coarsening=2, relax=relax, tol=0.0, max_iter=cycles,
+                        min_coarse=1, initial_guess="warm" if warm else "zero")
+
+
+# (kind, layers, levels, warm starts, training steps): uneven blocks on 2-4 ranks
+INEXACT_CASES = [("dense", 13, 2, False, 1), ("dense", 13, 3, False, 1),
+                 ("dense", 13, 4, False, 1), ("conv", 9, 2, False, 1),
+                 ("conv", 9, 3, False, 1), ("dense", 13, 3, True, 3)]
+
+
+def inexact_training(kind: str, num_steps: int, levels: int, warm: bool, steps: int,
+                     comm=None, data_comm=None) -> dict:
+    """Train with 2 forward / 1 backward cycles (SGD, `steps` steps on one batch of 8,
+    split between data-parallel replicas if any); return the last step's output and input
+    gradient (this replica's part) and, per owned layer, its parameter gradients and
+    parameters after training, as nested lists of floats."""
+    model, _ = build(kind, num_steps, inexact_config(levels, 2, warm),
+                     inexact_config(levels, 1, warm), comm=comm, data_comm=data_comm)
+    x, y = data(kind, 8)
+    if data_comm is not None:
+        part = 8 // data_comm.Get_size()
+        rows = slice(part * data_comm.Get_rank(), part * (data_comm.Get_rank() + 1))
+        x, y = x[rows], y[rows]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        xa = x.clone().requires_grad_()
+        out = model(xa)
+        # the mean over the replica's part: LayerParallel averages the replicas' gradients,
+        # which gives the full batch's mean
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    lo, hi = model.layer_range
+    layers = {}
+    for n in range(lo, hi + 1):
+        layers[n] = {name: {"grad": model.layers.params[name.replace(".", "__")].grad[n - lo]
+                            .tolist(),
+                            "value": model.layers.params[name.replace(".", "__")][n - lo]
+                            .detach().tolist()}
+                     for name in model.layers.names}
+    return {"output": out.detach().tolist(), "input_grad": xa.grad.tolist(),
+            "layers": layers}
