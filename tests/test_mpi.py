@@ -20,9 +20,9 @@ def test_distributed_solve_equals_serial(mpi, nprocs):
                                                    (3, 1, False)])
 def test_exception_on_one_rank_ends_every_rank(mpi, nprocs, failing, runner):
     """Under `python -m mpi4py` and under plain `python` (mgrit's own abort hook)."""
+    # a rank left waiting would run into the launch's timeout, which fails the test
     run = mpi("fault.py", nprocs, str(failing), timeout=60, abort_on_error=runner)
     assert run.returncode != 0
-    assert run.seconds < 30
     assert f"RuntimeError: deliberate failure on rank {failing}" in run.stderr
     assert f"mgrit: raised on rank {failing} of {nprocs}" in run.stderr
     assert run.reports() == [], "no rank may finish the solve"

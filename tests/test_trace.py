@@ -293,8 +293,14 @@ def test_traced_virtual_solve_replays_with_every_message_matched():
     waits = [e for t in traces for e in t if e[0] == "wait"]
     assert len(sends) == len(waits) > 0
     assert {e[2] for e in sends} == {u0.numel() * 8}
+    # on a free network every wait ends at some compute's end: scaling compute scales the
+    # whole replay, and any message cost can only add to it
     free = replay(traces, Interconnect(0.0, math.inf))
-    assert free.total >= max(free.busy)
+    doubled = replay(traces, Interconnect(0.0, math.inf), compute_scale=2.0)
+    assert doubled.total == pytest.approx(2 * free.total, rel=1e-12)
+    assert max(free.busy) <= free.total <= sum(free.busy)
+    slow = replay(traces, Interconnect(1e-3, math.inf))
+    assert slow.total > free.total
     # with no compute, the replay measures the longest chain of messages and collectives
     hops = replay(traces, Interconnect(1.0, math.inf), compute_scale=0.0)
     assert hops.total == hops.critical["hops"] >= 3
@@ -422,35 +428,50 @@ def test_validation_launches_merge_into_their_fastest_measurement_and_replay():
 
 
 @pytest.mark.mpi
+def test_trace_runs_give_a_prediction_for_every_measurement(mpi):
+    """The scaling study's validation pipeline end to end on one and two ranks (W0's solve,
+    W2's training step and forward pass): every measurement gets a replayed and a
+    virtual-rank prediction, and the measured network is a possible one. How close the
+    predictions come is a timing question (`test_predictions_match_measured_times...`,
+    marked `timing`, and the scaling study on a quiet machine)."""
+    records = _trace_records(mpi)
+    network = network_from(records[2]["ping_pong"])
+    assert network.latency + network.overhead > 0 and network.bandwidth > 0
+    rows = compare(records[1], network) + compare(records[2], network)
+    assert len(rows) == 6
+    for row in rows:
+        assert row["measured"] > 0 and row["predicted_from_mpi_traces"] > 0, row
+        assert math.isfinite(row["error"]), row
+    virtual = virtual_checks(records, network)
+    assert len(virtual) == 6
+    for row in virtual:
+        assert math.isfinite(row["virtual_error"]), row
+
+
+@pytest.mark.mpi
+@pytest.mark.timing
 def test_predictions_match_measured_times_on_one_and_two_ranks(mpi):
     """Replays of wall-clock traces of real runs, and of virtual-rank traces (the model used
     past two ranks), against the measured times of W0's solve and W2's training step and
     forward pass. The 25% goal is checked by the scaling study on a quiet machine
     (docs/scaling.md); here the bounds catch a model that loses or double-counts work while
     leaving room for the slow phases of a shared machine (up to twice the CPU time for
-    seconds at a time), which can hit a measurement and its prediction at different moments.
-    A slow phase can still hit one side by a factor of two, so a miss is measured again, up
-    to three times in all (two were not always enough on a day of long slow phases): lost or
-    double-counted work misses every time."""
-    for attempt in range(3):
-        misses = _prediction_misses(mpi)
-        if not misses:
-            break
+    seconds at a time). Wall-clock bounds: run by `make test-timing`, not `make test`."""
+    records = _trace_records(mpi)
+    network = network_from(records[2]["ping_pong"])
+    assert 1e-7 < network.latency + network.overhead < 1e-4
+    assert 1e8 < network.bandwidth < 1e12
+    rows = compare(records[1], network) + compare(records[2], network)
+    misses = [row for row in rows if not abs(row["error"]) < 0.4]
+    misses += [row for row in virtual_checks(records, network)
+               if not -0.5 < row["virtual_error"] < 1.0]
     assert not misses, misses
 
 
-def _prediction_misses(mpi) -> list[dict]:
+def _trace_records(mpi) -> dict[int, dict]:
     records = {}
     for ranks in (1, 2):
         run = mpi("trace_run.py", ranks, "5", timeout=240)
         assert run.returncode == 0, run.stderr
         records[ranks] = run.by_rank()[0]["record"]
-    network = network_from(records[2]["ping_pong"])
-    assert 1e-7 < network.latency + network.overhead < 1e-4
-    assert 1e8 < network.bandwidth < 1e12
-    rows = compare(records[1], network) + compare(records[2], network)
-    assert len(rows) == 6
-    misses = [row for row in rows if not abs(row["error"]) < 0.4]
-    misses += [row for row in virtual_checks(records, network)
-               if not -0.5 < row["virtual_error"] < 1.0]
-    return misses
+    return records
