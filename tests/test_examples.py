@@ -1,14 +1,21 @@
 """The example scripts run and report what they promise."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from conftest import mpiexec_path
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def run(*args):
-    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+def run(*args, ranks=1):
+    prefix = ([mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py"]
+              if ranks > 1 else [sys.executable])
+    proc = subprocess.run([*prefix, *map(str, args)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -31,3 +38,30 @@ def test_convergence_study_example(tmp_path):
     run(EXAMPLES / "convergence_study.py", tmp_path)
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
     assert "| heat | FCF | 2 | 3 |" in (tmp_path / "convergence.md").read_text()
+
+
+# a tiny model: 4 blocks, 2 levels, 3 steps with the validation loss after steps 2 and 3
+TINY_LM = ["--steps", "3", "--width", "16", "--heads", "2", "--blocks", "4", "--levels", "2",
+           "--context", "16", "--window", "8", "--batch", "8", "--every", "2",
+           "--validation", "32", "--sample", "20"]
+
+
+def lm_report(out):
+    """(losses, validation losses, sample line) of transformer_lm.py's output."""
+    lines = out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2", "step 3"]
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in steps]
+    validation = [float(line.split("validation loss ")[1]) for line in steps
+                  if "validation" in line]
+    assert len(validation) == 2 and all(math.isfinite(v) for v in losses + validation)
+    assert lines[-1].startswith("sample after ")
+    return losses, validation, lines[-1]
+
+
+@pytest.mark.mpi
+def test_transformer_language_model_example_on_one_process_and_two_ranks():
+    one = lm_report(run(EXAMPLES / "transformer_lm.py", *TINY_LM))
+    two = lm_report(run(EXAMPLES / "transformer_lm.py", *TINY_LM, ranks=2))
+    assert two[0] == pytest.approx(one[0], rel=1e-3)
+    assert two[1] == pytest.approx(one[1], rel=1e-3)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from . import demo
-from .data import DataError
+from .data import TEXTS, DataError
 from .launch import LaunchError
 from . import interrupts
-from .settings import SettingsError, load, parse_override, resumed
+from .settings import SettingsError, check, load, parse_override, resumed
 
 # flag -> (section, key); each overrides the config file
 SHORTCUTS = {
@@ -99,7 +99,7 @@ def _world() -> Any:
 def run_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .train import Run
+    from .train import Run, is_language_model
 
     torch.set_num_threads(1)
     settings = settings_from(args)
@@ -109,13 +109,20 @@ def run_train(args: argparse.Namespace) -> int:
         settings = resume_settings(settings, args.reset_optimizer)
     elif args.reset_optimizer:
         raise SettingsError("--reset-optimizer applies to --resume only")
+    check(settings)
     world = _world()
     interrupts.install(world, settings, sys.argv)
     summary = Run(settings, world, resume=args.resume,
                   reset_optimizer=args.reset_optimizer).run()
     if (world is None or world.Get_rank() == 0) and summary:
-        print(f"test accuracy {summary['test_accuracy'] * 100:.2f}% after epoch "
-              f"{summary['epoch']}; metrics in {Path(settings.output.dir) / 'metrics.jsonl'}")
+        metrics = Path(settings.output.dir) / "metrics.jsonl"
+        if is_language_model(settings):
+            print(f"test loss {summary['test_loss']:.4f}, next-token accuracy "
+                  f"{summary['test_accuracy'] * 100:.2f}% after epoch {summary['epoch']}; "
+                  f"metrics in {metrics}")
+        else:
+            print(f"test accuracy {summary['test_accuracy'] * 100:.2f}% after epoch "
+                  f"{summary['epoch']}; metrics in {metrics}")
     return 0
 
 
@@ -151,7 +158,11 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.deep_steps is not None and args.deep_steps < 2:
         raise SettingsError(f"--deep-steps {args.deep_steps}: the deep network needs at least "
                             "2 layers")
-    settings = settings_from(args)
+    settings = check(settings_from(args))
+    if args.deep_steps and settings.data.name in TEXTS:
+        raise SettingsError(f"--deep-steps times a deep dense network, which does not take "
+                            f"the text of {settings.data.name}: leave it out, or compare on "
+                            "feature or image data")
     out = Path(settings.output.dir)
     compare.compare_training(settings, out, args.ranks)
     if args.deep_steps:
@@ -161,7 +172,8 @@ def run_compare(args: argparse.Namespace) -> int:
         from .data import load as load_data
 
         split = load_data(settings.data.name, settings.data.root, settings.data.download,
-                          settings.data.test_fraction, settings.data.samples)
+                          settings.data.test_fraction, settings.data.samples,
+                          context=settings.data.context)
         compare.solver_study(out, network=network, sample=split.x_test[:64])
     return 0
 

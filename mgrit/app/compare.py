@@ -86,11 +86,24 @@ def reading(rows: dict[str, Any], settings: Settings) -> str:
     return f"Same data, seed and batch order: {agree}; {speed}."
 
 
+def describe_network(settings: Settings) -> str:
+    """The network of the settings in a few words, for the tables' captions."""
+    n = settings.network
+    if n.kind == "gpt":
+        return (f"GPT (width {n.width}, {n.heads} heads, N = {n.steps} blocks, T = "
+                f"{n.t_final}, dropout {n.dropout}, context {settings.data.context})")
+    if n.kind == "vit":
+        return (f"ViT (width {n.width}, {n.heads} heads, patch {n.patch}, N = {n.steps} "
+                f"blocks, T = {n.t_final}, dropout {n.dropout})")
+    return f"{n.kind} ResNet (width {n.width}, N = {n.steps}, T = {n.t_final})"
+
+
 def markdown(rows: dict[str, Any], settings: Settings) -> str:
-    t, n = settings.training, settings.network
-    lines = [f"Data {settings.data.name}, {n.kind} ResNet (width {n.width}, N = {n.steps}, "
-             f"T = {n.t_final}), {t.epochs} epochs, batch {t.batch_size}, {t.optimizer} "
-             f"lr {t.lr}, seed {t.seed}.", "",
+    t = settings.training
+    accuracy = (" Accuracy: of the next-token predictions at every position."
+                if settings.network.kind == "gpt" else "")
+    lines = [f"Data {settings.data.name}, {describe_network(settings)}, {t.epochs} epochs, "
+             f"batch {t.batch_size}, {t.optimizer} lr {t.lr}, seed {t.seed}.{accuracy}", "",
              "| training | ranks | test accuracy | vs serial (pp) | test loss | ms per step | "
              "time vs serial |", "|---|---|---|---|---|---|---|"]
     for label, r in rows.items():
@@ -256,12 +269,14 @@ def trained_layers(model_path: Path, sample: torch.Tensor
 
     if not model_path.exists():
         return None
-    net = torch.load(model_path, weights_only=False).double()
+    # evaluation mode: dropout would make every evaluation of a layer another function
+    net = torch.load(model_path, weights_only=False).double().eval()
     steps = [m for m in net if isinstance(m, ResidualStep)]
     if not steps:
         return None
     with torch.no_grad():
-        u0 = net[0](sample.double())
+        # token ids (a language model's input) stay integers
+        u0 = net[0](sample.double() if sample.is_floating_point() else sample)
     return ModuleResNet([s.f for s in steps]), u0, len(steps), steps[0].h * len(steps)
 
 

@@ -1,4 +1,5 @@
-"""Data sets that work offline (digits, peaks, MNIST-1D) and torchvision's, when installed."""
+"""Data sets that work offline (digits, peaks, MNIST-1D, the reference manual's topics as
+characters) and torchvision's, when installed."""
 
 from __future__ import annotations
 
@@ -97,6 +98,12 @@ def mnist1d(samples: int = 5000, test_fraction: float = 0.3, seed: int = 0,
 
 
 TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+# the image data sets and the (C, H, W) of their images, known before any is loaded (the
+# settings check networks against them); and the text data sets, whose examples are
+# windows of token ids with a next-token target at every position
+IMAGE_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28),
+                "cifar10": (3, 32, 32)}
+TEXTS = ("topics",)
 
 
 def from_torchvision_sets(train: Any, test: Any, classes: int,
@@ -149,9 +156,70 @@ def torchvision_dataset(name: str, root: str, download: bool,
     return from_torchvision_sets(train, test, classes=10, dtype=dtype)
 
 
+@dataclass
+class Text:
+    """A character-level corpus: train and validation text as token ids, and the
+    characters the ids stand for."""
+
+    train: Tensor
+    validation: Tensor
+    vocab: str
+
+    def decode(self, ids: Tensor) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def windows(self, part: str, context: int) -> tuple[Tensor, Tensor]:
+        """Non-overlapping windows of `context` tokens of a part ("train" or
+        "validation") and their next-token targets: (windows, context) each."""
+        ids = self.train if part == "train" else self.validation
+        count = (len(ids) - 1) // context
+        x = ids[: count * context].view(count, context)
+        y = ids[1: count * context + 1].view(count, context)
+        return x, y
+
+    def sample(self, batch: int, context: int, generator: torch.Generator
+               ) -> tuple[Tensor, Tensor]:
+        """`batch` windows of the training text at offsets drawn from `generator`."""
+        starts = torch.randint(0, len(self.train) - context - 1, (batch,), generator=generator)
+        index = starts[:, None] + torch.arange(context + 1)
+        seq = self.train[index]
+        return seq[:, :-1], seq[:, 1:]
+
+
+def topics_text() -> Text:
+    """The reference manual topics that ship with Python (`pydoc_data.topics`), as
+    characters: the topics sorted by name, the first 90% of each topic's characters (cut
+    at floor(0.9 * length)) for training and the rest for validation, each part joined with
+    blank lines. The vocabulary is every character of both parts, sorted. The text is that
+    of the running Python's version: runs compare on one version."""
+    from pydoc_data.topics import topics
+
+    texts = [topics[n] for n in sorted(topics)]
+    cuts = [int(0.9 * len(t)) for t in texts]
+    train = "\n\n".join(t[:c] for t, c in zip(texts, cuts))
+    validation = "\n\n".join(t[c:] for t, c in zip(texts, cuts))
+    vocab = "".join(sorted(set(train) | set(validation)))
+    index = {c: i for i, c in enumerate(vocab)}
+
+    def encode(text: str) -> Tensor:
+        return torch.tensor([index[c] for c in text], dtype=torch.long)
+    return Text(encode(train), encode(validation), vocab)
+
+
+def topics(context: int = 64) -> Split:
+    """`topics_text` as a Split of non-overlapping windows of `context` characters (x) and
+    their next characters (y), "classes" being the vocabulary size."""
+    text = topics_text()
+    x_train, y_train = text.windows("train", context)
+    x_test, y_test = text.windows("validation", context)
+    return Split(x_train, y_train, x_test, y_test, len(text.vocab))
+
+
 def load(name: str, root: str = "data", download: bool = False, test_fraction: float = 0.3,
-         samples: int = 5000, seed: int = 0) -> Split:
-    """The data set of DataSettings by name."""
+         samples: int = 5000, seed: int = 0, context: int = 64) -> Split:
+    """The data set of DataSettings by name (`context`: the window of topics)."""
+    if name == "topics":
+        return topics(context)
     if name == "digits":
         return digits(test_fraction, seed)
     if name == "peaks":
@@ -161,7 +229,7 @@ def load(name: str, root: str = "data", download: bool = False, test_fraction: f
     if name in TORCHVISION:
         return torchvision_dataset(name, root, download)
     raise ValueError(f"unknown data set {name!r}; choose one of digits, peaks, mnist1d, "
-                     f"{', '.join(TORCHVISION)}")
+                     f"{', '.join(TORCHVISION)}, topics")
 
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None):

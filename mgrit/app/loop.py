@@ -1,5 +1,10 @@
 """The training loop, written once: a training step, an epoch of them, an evaluation.
-`mgrit train`, the benchmarks, the scaling study and the examples all train through it."""
+`mgrit train`, the benchmarks, the scaling study and the examples all train through it.
+
+Outputs are logits over the last dimension and targets hold a class index for every row of
+them: (batch, classes) against (batch,) for a classifier, (batch, tokens, vocabulary)
+against (batch, tokens) for a language model, whose every position is a prediction of the
+next token. Losses are means over those predictions, accuracies fractions of them."""
 
 from __future__ import annotations
 
@@ -11,6 +16,18 @@ from torch import Tensor, nn
 from .data import batches
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def sequence_cross_entropy(out: Tensor, y: Tensor) -> Tensor:
+    """Cross entropy of logits (..., classes) against targets (...), the mean over every
+    position: a language model's loss, all next-token predictions of the batch alike."""
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def correct(out: Tensor, y: Tensor) -> int:
+    """How many of the predictions in `out` (logits over the last dimension) name their
+    target in `y`; there are y.numel() predictions."""
+    return int((out.argmax(dim=-1) == y).sum())
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
@@ -42,12 +59,14 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, loss_fn: LossFn,
              batch_size: int = 512) -> tuple[float, float]:
-    """(mean loss, accuracy) over (x, y), in order, every example counted once."""
+    """(mean loss, accuracy) over (x, y), in order, every prediction counted once: each
+    example of a classifier, each position of a language model (`loss_fn` a mean over the
+    predictions of a batch)."""
     model.eval()
-    total_loss, correct = 0.0, 0
+    total_loss, right = 0.0, 0
     for start in range(0, len(x), batch_size):
         out = model(x[start: start + batch_size])
         yb = y[start: start + batch_size]
-        total_loss += float(loss_fn(out, yb)) * len(yb)
-        correct += int((out.argmax(dim=1) == yb).sum())
-    return total_loss / len(x), correct / len(x)
+        total_loss += float(loss_fn(out, yb)) * yb.numel()
+        right += correct(out, yb)
+    return total_loss / y.numel(), right / y.numel()

@@ -13,9 +13,12 @@ from typing import Any
 
 from ..core.config import Config
 from ..nn.defaults import training_options
+from .data import IMAGE_SHAPES, TEXTS
 
-DATASETS = ("digits", "peaks", "mnist1d", "mnist", "fashion-mnist", "cifar10")
-NETWORKS = ("dense", "conv")
+DATASETS = ("digits", "peaks", "mnist1d", "mnist", "fashion-mnist", "cifar10", "topics")
+NETWORKS = ("dense", "conv", "gpt", "vit")
+# networks of transformer blocks: their [network] heads and dropout apply
+TRANSFORMERS = ("gpt", "vit")
 ACTIVATIONS = ("tanh", "relu", "sigmoid")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -31,16 +34,22 @@ class DataSettings:
     download: bool = False          # let torchvision download missing data
     test_fraction: float = 0.3      # held-out part for digits, peaks, mnist1d
     samples: int = 5000             # generated examples for peaks and mnist1d
+    context: int = 64               # characters per window of topics (a gpt's context)
 
 
 @dataclass
 class NetworkSettings:
-    kind: str = "dense"             # dense: Linear steps; conv: 3x3 Conv2d steps (images)
-    width: int = 32                 # state size of dense steps
+    kind: str = "dense"             # dense: Linear steps; conv: 3x3 Conv2d steps (images);
+                                    # gpt: causal transformer blocks (text); vit: transformer
+                                    # blocks on image patches
+    width: int = 32                 # state size of dense steps, model width of gpt and vit
     channels: int = 8               # channels of conv steps
-    steps: int = 32                 # layers N (time steps)
+    steps: int = 32                 # layers N (time steps; the blocks of gpt and vit)
     t_final: float = 1.0            # T; the step size is h = T / N
     activation: str = "tanh"        # activation inside dense steps
+    heads: int = 4                  # attention heads of gpt and vit (they divide width)
+    dropout: float = 0.0            # dropout of gpt and vit blocks (keyed draws)
+    patch: int = 2                  # vit: side of the square image patches (the tokens)
 
 
 @dataclass
@@ -52,6 +61,7 @@ class TrainingSettings:
     momentum: float = 0.9           # SGD momentum
     weight_decay: float = 0.0
     seed: int = 0
+    steps_per_epoch: int = 0        # optimizer steps per epoch; 0: one pass over the data
     data_parallel: int = 1          # replicas; ranks / data_parallel ranks hold the layers
     serial: bool = False            # train the plain network with autograd (the baseline)
 
@@ -113,7 +123,8 @@ class Settings:
     def network_identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed: data, network and solvers."""
         d = self.as_dict()
-        return {"data": {k: d["data"][k] for k in ("name", "test_fraction", "samples")},
+        return {"data": {k: d["data"][k]
+                         for k in ("name", "test_fraction", "samples", "context")},
                 "network": d["network"], "forward": d["forward"], "backward": d["backward"],
                 "serial": d["training"]["serial"],
                 "data_parallel": d["training"]["data_parallel"]}
@@ -123,8 +134,9 @@ SECTIONS = {"data": DataSettings, "network": NetworkSettings, "training": Traini
             "output": OutputSettings}
 CHOICES = {("data", "name"): DATASETS, ("network", "kind"): NETWORKS,
            ("network", "activation"): ACTIVATIONS, ("training", "optimizer"): OPTIMIZERS}
-POSITIVE = {("data", "samples"), ("network", "width"), ("network", "channels"),
-            ("network", "steps"), ("training", "epochs"), ("training", "batch_size"),
+POSITIVE = {("data", "samples"), ("data", "context"), ("network", "width"),
+            ("network", "channels"), ("network", "steps"), ("network", "heads"),
+            ("network", "patch"), ("training", "epochs"), ("training", "batch_size"),
             ("training", "data_parallel")}
 
 
@@ -163,7 +175,38 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must lie in [0, 1), got {value}")
     if (section, key) == ("training", "weight_decay") and value < 0:
         raise SettingsError(f"{where} must be >= 0, got {value}")
+    if (section, key) == ("training", "steps_per_epoch") and value < 0:
+        raise SettingsError(f"{where} must be >= 0 (0: one pass over the data), got {value}")
+    if (section, key) == ("network", "dropout") and not 0 <= value < 1:
+        raise SettingsError(f"{where} must lie in [0, 1), got {value}")
     return value
+
+
+def check(settings: Settings) -> Settings:
+    """The checks that involve more than one key: the network against the data, and the
+    transformer's shape. They need no data loaded, so a run refuses such settings before
+    anything is read or written. They apply to a run's final settings (a resumed run's
+    come from its checkpoint), not to a file or flags alone. Returns `settings`."""
+    name, net = settings.data.name, settings.network
+    kind = net.kind
+    if kind == "gpt" and name not in TEXTS:
+        raise SettingsError(f"[network] kind = 'gpt' is a language model: it needs text data "
+                            f"([data] name = {' or '.join(map(repr, TEXTS))}), not {name!r}")
+    if name in TEXTS and kind != "gpt":
+        raise SettingsError(f"[data] name = {name!r} is text (token ids): train it with "
+                            f"[network] kind = 'gpt', not {kind!r}")
+    if kind in ("conv", "vit") and name not in IMAGE_SHAPES:
+        raise SettingsError(f"[network] kind = {kind!r} needs image data (C, H, W): "
+                            f"{', '.join(map(repr, IMAGE_SHAPES))}, not {name!r}")
+    if kind in TRANSFORMERS and net.width % net.heads:
+        raise SettingsError(f"[network] width = {net.width} must be a multiple of heads = "
+                            f"{net.heads} (each head takes width / heads of the state)")
+    if kind == "vit":
+        size = IMAGE_SHAPES[name][-1]
+        if size % net.patch:
+            raise SettingsError(f"[network] patch = {net.patch} must divide the {size}x{size} "
+                                f"images of {name} (the patches tile the image)")
+    return settings
 
 
 def _field_type(cls: type, key: str) -> Any:

@@ -15,14 +15,14 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..nn import LayerParallel, serial_resnet
-from ..nn.blocks import ResNetSpec, conv_step, dense_step
+from ..nn import LayerParallel, draws, serial_resnet
+from ..nn.blocks import ResNetSpec, conv_step, dense_step, gpt, vit
 from ..nn.checkpoint import FailedElsewhere
 from . import data as datasets
 from .data import batches
-from .loop import evaluate, train_step
+from .loop import correct, evaluate, sequence_cross_entropy, train_step
 from .progress import Progress
-from .settings import Settings, SettingsError
+from .settings import TRANSFORMERS, Settings, SettingsError, check
 
 log = logging.getLogger("mgrit.train")
 
@@ -39,6 +39,13 @@ def network_for(settings: Settings, split: datasets.Split) -> ResNetSpec:
     """Opening, step and closing for the data's shape and the [network] settings."""
     net = settings.network
     shape = split.feature_shape
+    if net.kind == "gpt":
+        return gpt(split.classes, net.width, net.heads, net.steps, settings.data.context,
+                   net.dropout, net.t_final)
+    if net.kind == "vit":
+        channels, height, width = shape
+        return vit(channels, height, net.patch, net.width, net.heads, net.steps,
+                   split.classes, net.dropout, net.t_final)
     if net.kind == "conv":
         if len(shape) != 3:
             raise SettingsError(f"[network] kind = 'conv' needs image data (C, H, W); "
@@ -56,6 +63,12 @@ def network_for(settings: Settings, split: datasets.Split) -> ResNetSpec:
                             _ACTIVATIONS[net.activation]())
     return ResNetSpec(opening, dense_step(net.width, _ACTIVATIONS[net.activation]),
                           nn.Linear(net.width, split.classes), net.steps, net.t_final)
+
+
+def is_language_model(settings: Settings) -> bool:
+    """Whether the run predicts the next token at every position (outputs (batch, tokens,
+    vocabulary) against targets (batch, tokens)) rather than one class per example."""
+    return settings.network.kind == "gpt"
 
 
 def make_optimizer(settings: Settings, params) -> torch.optim.Optimizer:
@@ -90,7 +103,7 @@ class Run:
 
     def __init__(self, settings: Settings, world: Any = None, resume: bool = False,
                  reset_optimizer: bool = False) -> None:
-        self.settings = settings
+        self.settings = check(settings)
         self.world = world
         self.rank = world.Get_rank() if world is not None else 0
         self.size = world.Get_size() if world is not None else 1
@@ -112,12 +125,19 @@ class Run:
                                 "training.data_parallel = 1)")
         self.split = datasets.load(settings.data.name, settings.data.root,
                                    settings.data.download, settings.data.test_fraction,
-                                   settings.data.samples, seed=0)
-        self.steps_per_epoch = steps = len(self.split.x_train) // t.batch_size
+                                   settings.data.samples, seed=0, context=settings.data.context)
+        if len(self.split.x_test) == 0:
+            raise SettingsError(f"[data] context = {settings.data.context} leaves no window "
+                                f"in the test part of {settings.data.name}: choose a shorter "
+                                "context")
+        steps = len(self.split.x_train) // t.batch_size
         if steps == 0:
             raise SettingsError(f"[training] batch_size = {t.batch_size} is larger than the "
                                 f"{len(self.split.x_train)} training examples of "
                                 f"{settings.data.name}: an epoch would have no step")
+        if t.steps_per_epoch:
+            steps = min(steps, t.steps_per_epoch)
+        self.steps_per_epoch = steps
         if trace and trace >= steps:
             raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
                                 "at most steps - 1 are traced (the first step is a warm-up)")
@@ -148,13 +168,20 @@ class Run:
                                            settings.solver("backward"), comm=comm,
                                            opening=net.opening, closing=net.closing,
                                            data_comm=self.data_comm if t.data_parallel > 1
-                                           else None)
+                                           else None, seed=t.seed)
             except (ValueError, TypeError) as err:
                 # its checks see the same settings on every rank (or agree across them)
                 raise SettingsError(str(err)) from None
         self.optimizer = make_optimizer(settings, self.model.parameters())
         self.generator = torch.Generator().manual_seed(t.seed)
-        self.loss_fn = nn.functional.cross_entropy
+        self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
+                        else nn.functional.cross_entropy)
+        # serial training draws the dropout masks of the layer-parallel network's training
+        # step of the same number (keyed by the seed and the step): both train the same
+        # network, and a resumed run continues the draws (the count is checkpointed)
+        self.keyed_draws = (t.serial and settings.network.kind in TRANSFORMERS
+                            and settings.network.dropout > 0)
+        self.draw_step = 0
         self.start_epoch = 1
         self.resuming = resume
         self._check_output(resume)
@@ -271,6 +298,9 @@ class Run:
             if "momentum" in group:
                 group["momentum"] = t.momentum
         self.generator.set_state(extra["generator"])
+        # the random draws of the next training step (checkpoints of earlier runs, whose
+        # networks had none, lack the count)
+        self._set_draw_step(int(extra.get("draw_step", 0)))
         self.start_epoch = extra["epoch"] + 1
         self._collective(lambda: self._truncate_metrics(extra["epoch"]))
 
@@ -312,7 +342,8 @@ class Run:
         points `latest` at it, so an interrupted run always leaves a complete checkpoint."""
         name = f"checkpoint-{epoch:04d}"
         tmp = self.out / f".{name}.tmp"
-        extra = {"epoch": epoch, "generator": self.generator.get_state()}
+        extra = {"epoch": epoch, "generator": self.generator.get_state(),
+                 "draw_step": self._get_draw_step()}
         if isinstance(self.model, LayerParallel):
             self.model.save_checkpoint(tmp, self.optimizer, **extra)
         else:
@@ -342,6 +373,29 @@ class Run:
             self.world.Barrier()
 
     # training -----------------------------------------------------------------------------
+    def _get_draw_step(self) -> int:
+        """Training forward passes so far: the random draws of the next one."""
+        if isinstance(self.model, LayerParallel):
+            return self.model.draw_step
+        return self.draw_step
+
+    def _set_draw_step(self, step: int) -> None:
+        if isinstance(self.model, LayerParallel):
+            self.model.draw_step = step
+        else:
+            self.draw_step = step
+
+    def _train_step(self, xb: Tensor, yb: Tensor, mark: Callable[[], None] | None
+                    ) -> tuple[Tensor, Tensor]:
+        """`train_step` on the batch; a serial network with dropout draws under the key of
+        this training step (see `keyed_draws`)."""
+        if not self.keyed_draws:
+            return train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
+        with draws(self.settings.training.seed, self.draw_step):
+            result = train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
+        self.draw_step += 1
+        return result
+
     def _mean(self, value: float) -> float:
         if self.data_comm is None or self.data_comm.Get_size() == 1:
             return value
@@ -395,20 +449,22 @@ class Run:
                             label=s.output.label or None)
         self.model.train()
         start = time.perf_counter()
-        losses, correct, seen = [], 0, 0
+        losses, right, seen = [], 0, 0
         for step, (xb, yb) in enumerate(batches(self.split.x_train, self.split.y_train,
                                                 t.batch_size, self.generator), 1):
+            if step > steps:            # [training] steps_per_epoch
+                break
             xb, yb = self._batch_part(xb, yb)
             tracing = self._trace_step(epoch, step)
             mark = (lambda: self.tracer.mark(f"forward{step - 1}")) if tracing else None
             t0 = time.perf_counter()
-            loss, out = train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
+            loss, out = self._train_step(xb, yb, mark)
             seconds = time.perf_counter() - t0
             if tracing:
                 self._traced(step - 1, seconds)
             value = self._mean(float(loss))
-            correct += int((out.argmax(1) == yb).sum())
-            seen += len(yb)
+            right += correct(out, yb)
+            seen += yb.numel()
             losses.append(value)
             stats = getattr(self.model, "stats", {})
             record = {"type": "step", "epoch": epoch, "step": (epoch - 1) * steps + step,
@@ -417,7 +473,7 @@ class Run:
                       "backward_residuals": stats.get("backward", {}).get("residuals", [])}
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
-            fields: dict[str, Any] = {"loss": value, "acc": correct / max(seen, 1)}
+            fields: dict[str, Any] = {"loss": value, "acc": right / max(seen, 1)}
             for kind in ("forward", "backward"):
                 if kind in stats:
                     fields[f"{kind}_cycles"] = stats[kind]["iterations"]
@@ -431,14 +487,19 @@ class Run:
         test_loss, test_acc = evaluate(self.model, self.split.x_test, self.split.y_test,
                                        self.loss_fn)
         record = {"type": "epoch", "epoch": epoch, "train_loss": sum(losses) / len(losses),
-                  "train_accuracy": self._mean(correct / max(seen, 1)), "test_loss": test_loss,
+                  "train_accuracy": self._mean(right / max(seen, 1)), "test_loss": test_loss,
                   "test_accuracy": test_acc, "seconds": train_seconds,
                   "seconds_per_step": train_seconds / max(len(losses), 1)}
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-        progress.close({"loss": record["train_loss"], "test_acc": test_acc,
-                        "ms_per_step": record["seconds_per_step"] * 1e3})
+        closing: dict[str, Any] = {"loss": record["train_loss"], "test_acc": test_acc,
+                                   "ms_per_step": record["seconds_per_step"] * 1e3}
+        if is_language_model(s):
+            # a language model's test loss (nats per character) says more than its
+            # next-token accuracy
+            closing["test_loss"] = test_loss
+        progress.close(closing)
         return record
 
     # tracing (output.trace = K: steps 2..K+1 of the first epoch) -------------------------
