@@ -256,3 +256,15 @@ def test_context_shapes_that_differ_between_ranks_fail_everywhere(mpi):
     assert run.returncode == 0, run.stderr
     for rep in run.by_rank().values():
         assert "context inputs differ between ranks" in rep["results"]["error"]
+
+
+@pytest.mark.mpi
+def test_data_parallel_replicas_draw_different_masks(mpi):
+    """Replicas hold different samples: the same batch on two replicas must not be dropped
+    alike; replica 0 draws what one process with the same seed draws."""
+    run = mpi("transformer.py", 2, "replicas", timeout=60)
+    assert run.returncode == 0, run.stderr
+    by_replica = {rep["results"]["replica"]: rep["results"] for rep in run.by_rank().values()}
+    assert sorted(by_replica) == [0, 1]
+    assert all(r["replicas_differ"] for r in by_replica.values())
+    assert by_replica[0]["equals_one_process"] and not by_replica[1]["equals_one_process"]

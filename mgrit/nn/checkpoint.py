@@ -435,7 +435,7 @@ def load(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if loaded["draws"] is not None:
-        model.draw_seed = model.layers.draw_seed = int(loaded["draws"]["seed"])
+        model.set_draw_seed(int(loaded["draws"]["seed"]))
         model.draw_step = int(loaded["draws"]["step"])
     if loaded["warm"] is not None:
         _, device = placement(model.layers)

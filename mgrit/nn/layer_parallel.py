@@ -88,7 +88,8 @@ class LayerParallel(nn.Module):
     on every level and in the adjoint, and get gradients where they require grad.
     `model.stats` holds the cycles and residuals of the latest forward and backward solves.
     In training mode every forward pass is a new training step of the draws: layer n of
-    pass k draws with `mgrit.nn.layer_key(seed, k, n)` (`draw_step` counts the passes).
+    pass k draws with `mgrit.nn.layer_key(seed, k, n)` (`draw_step` counts the passes;
+    data-parallel replicas draw apart, see `set_draw_seed`).
     """
 
     def __init__(self, step: Callable[[], nn.Module], num_steps: int, t_final: float = 1.0,
@@ -136,8 +137,7 @@ class LayerParallel(nn.Module):
         self.layer_range = (lo, hi)
         template, kept = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
-        self.draw_seed = self._agreed_seed(seed)
-        self.layers.draw_seed = self.draw_seed
+        self.set_draw_seed(self._agreed_seed(seed))
         self.draw_step = 0      # training forward passes so far: the next one's draws
         self.opening = opening if opening is not None else nn.Identity()
         self.closing = closing if closing is not None else nn.Identity()
@@ -158,6 +158,14 @@ class LayerParallel(nn.Module):
         value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
         self.comm.bcast_(value, 0)
         return int(value[0])
+
+    def set_draw_seed(self, seed: int) -> None:
+        """The seed of the keyed draws. Data-parallel replica r > 0 draws with
+        seed + r * 2**48: the replicas' samples are different samples, and must not share
+        masks (replica 0, and a model without replicas, draws with `seed` itself)."""
+        self.draw_seed = seed
+        replica = self.data_comm.rank if self.data_comm is not None else 0
+        self.layers.draw_seed = seed + replica * (1 << 48)
 
     def _check_state(self, u0: Tensor, context: dict[str, Tensor]) -> None:
         """One agreement between ranks on what they were given, then local checks (every

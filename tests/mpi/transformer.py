@@ -25,6 +25,24 @@ if mode == "train":
     for case in sys.argv[2].split(","):
         for name, config in (("exact", EXACT), ("converged", CONVERGED)):
             results[f"{case}-{name}"] = train_side_by_side(case, 7, config, comm=world)
+elif mode == "replicas":
+    # one layer rank, two replicas, the same batch on both: replicas must not share masks
+    layer_comm, data_comm = mgrit.split_world(world, 1)
+    torch.manual_seed(1)
+    model = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, dropout=0.5), 4,
+                                forward=EXACT, backward=EXACT, comm=layer_comm,
+                                data_comm=data_comm, seed=11).double()
+    torch.manual_seed(1)
+    alone = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, dropout=0.5), 4,
+                                forward=EXACT, backward=EXACT, seed=11).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(x)
+        one = alone(x)
+    outs = world.allgather(out)
+    results["replicas_differ"] = bool((outs[0] - outs[1]).abs().max() > 1e-6)
+    results["equals_one_process"] = bool(torch.equal(out, one))
+    results["replica"] = data_comm.Get_rank()
 elif mode == "bad-context":
     # rank 1's mask covers one token fewer: every rank must refuse before any exchange
     model, _ = build("block", 7, EXACT, comm=world)
