@@ -131,3 +131,35 @@ def inexact_training(kind: str, num_steps: int, levels: int, warm: bool, steps: 
                      for name in model.layers.names}
     return {"output": out.detach().tolist(), "input_grad": xa.grad.tolist(),
             "layers": layers}
+
+
+def float32_errors(kind: str, num_steps: int, config, comm=None) -> dict:
+    """Relative errors against float64 serial autograd of (a) float32 serial autograd and
+    (b) the float32 layer-parallel network, over the same tensors (this rank's layers, the
+    opening and closing; the input gradient; the output): (a) is the network's own float32
+    round-off, the yardstick for (b)."""
+    model, exact = build(kind, num_steps, config, config, comm=comm)
+    _, serial = build(kind, num_steps, config, config)
+    model, serial = model.float(), serial.float()
+    x, y = data(kind, 4)
+    results = {}
+    inputs = {}
+    for label, net, xx in (("exact", exact, x), ("serial", serial, x.float()),
+                           ("lp", model, x.float())):
+        xx = xx.clone().requires_grad_()
+        out = net(xx)
+        nn.functional.cross_entropy(out, y).backward()
+        inputs[label] = (out.detach().double(), xx.grad.double())
+    lo, hi = model.layer_range
+    serial_pairs = [(a.grad.double(), b.grad)
+                    for n in range(lo, hi + 1)
+                    for a, b in zip(serial[n + 1].parameters(), exact[n + 1].parameters())]
+    serial_pairs += [(a.grad.double(), b.grad) for i in (0, -1)
+                     for a, b in zip(serial[i].parameters(), exact[i].parameters())]
+    results["serial"] = relative(serial_pairs)
+    results["lp"] = relative([(a.double(), b) for a, b in owned_pairs(model, exact, grad=True)])
+    for which, index in (("output", 0), ("input_grad", 1)):
+        ref = inputs["exact"][index]
+        for label in ("serial", "lp"):
+            results[f"{which}_{label}"] = float((inputs[label][index] - ref).norm() / ref.norm())
+    return results

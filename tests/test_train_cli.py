@@ -269,3 +269,29 @@ def test_data_parallel_run_trains_like_one_replica_on_the_full_batch(tmp_path):
     for x, y in zip(a, b):
         assert y["train_loss"] == pytest.approx(x["train_loss"], rel=1e-4)
         assert y["test_loss"] == pytest.approx(x["test_loss"], rel=1e-4)
+
+
+def test_serial_resume_continues_exactly_and_a_damaged_checkpoint_is_named(tmp_path):
+    """--serial runs checkpoint too: resumed, they continue as an uninterrupted run; a
+    truncated serial.pt is named, with the earlier intact checkpoint to fall back to."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    mgrit("train", *TINY, "--serial", "--epochs", "3", "--out", str(whole))
+    mgrit("train", *TINY, "--serial", "--epochs", "2", "--out", str(split))
+    mgrit("train", *TINY, "--serial", "--epochs", "3", "--out", str(split), "--resume")
+    strip = [{k: v for k, v in r.items() if k not in ("seconds", "seconds_per_step")}
+             for r in records(whole)]
+    again = [{k: v for k, v in r.items() if k not in ("seconds", "seconds_per_step")}
+             for r in records(split)]
+    assert strip == again and sum(r["type"] == "epoch" for r in again) == 3
+    ma = torch.load(whole / "model.pt", weights_only=False).state_dict()
+    mb = torch.load(split / "model.pt", weights_only=False).state_dict()
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+    latest = split / (split / "latest").read_text().strip() / "serial.pt"
+    data = latest.read_bytes()
+    latest.write_bytes(data[: len(data) // 2])
+    proc = mgrit("train", *TINY, "--serial", "--epochs", "4", "--out", str(split), "--resume",
+                 check=False)
+    assert proc.returncode == 2
+    assert "serial.pt cannot be read" in proc.stderr and "truncated or corrupt" in proc.stderr
+    assert "checkpoint-0002" in proc.stderr      # the intact one before it

@@ -14,8 +14,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent.parent))  # cases.py, nets.py
 import mgrit  # noqa: E402
 from mgrit.app.launch import report  # noqa: E402
-from nets import (INEXACT_CASES, build, cosine, data, inexact_training,  # noqa: E402
-                  owned_pairs, relative)
+from nets import (INEXACT_CASES, build, cosine, data, float32_errors,  # noqa: E402
+                  inexact_training, owned_pairs, relative)
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -61,6 +61,10 @@ INEXACT_F = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, ma
 INEXACT_B = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=1,
                          min_coarse=1)
 
+# float32 stops converging at its round-off: a fixed number of cycles well past that point
+FLOAT32_CONVERGED = mgrit.Config(levels=3, coarsening=2, relax="FCF", tol=0.0, max_iter=12,
+                                 min_coarse=1)
+
 if mode == "agreement":
     for kind, n in (("dense", 13), ("dense", 16), ("conv", 7)):
         x, y = data(kind, 4)
@@ -76,6 +80,10 @@ elif mode == "inexact":
     for kind, n, levels, warm, steps in INEXACT_CASES:
         results[f"{kind}-{n}-{levels}-{warm}"] = inexact_training(kind, n, levels, warm,
                                                                   steps, comm=world)
+elif mode == "float32":
+    for kind, n in (("dense", 13), ("conv", 9), ("gelu", 13)):
+        for label, config in (("exact", EXACT), ("converged", FLOAT32_CONVERGED)):
+            results[f"{kind}-{label}"] = float32_errors(kind, n, config, comm=world)
 elif mode == "inexact-data-parallel":
     layer_comm, data_comm = mgrit.split_world(world, 2)
     results["dense"] = inexact_training("dense", 13, 3, True, 3, comm=layer_comm,
