@@ -1,5 +1,6 @@
 """The CUDA kernels of mgrit.kernels.cuda: the build, the pure-torch twins against autograd,
-and (on a GPU) each kernel against its twin."""
+(on a GPU) each kernel against its twin, and LayerParallel's CUDA path against serial
+autograd: on a GPU with the kernels, anywhere with the twins in their place."""
 
 import ctypes
 import dataclasses
@@ -12,7 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mgrit
+from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import build, cuda
+from mgrit.kernels import steps as kernel_steps
+from mgrit.nn import steps as nn_steps
+
+from nets import build as build_networks, data, owned_pairs, relative
 
 ENTRY_POINTS = ["mgrit_dense_step_f32", "mgrit_dense_step_f64", "mgrit_dense_step_vjp_f32",
                 "mgrit_dense_step_vjp_f64", "mgrit_dense_max_width", "mgrit_cuda_error_string"]
@@ -148,9 +155,28 @@ def test_reference_vjp_matches_autograd(B, S, d):
 
 # argument checks (any machine) -----------------------------------------------------------
 
-def test_available_needs_a_cuda_device():
-    if not torch.cuda.is_available():
-        assert cuda.available() is False
+def test_available_needs_a_cuda_device_and_a_library_that_loads(monkeypatch):
+    """True only with both, and without a device the library is not even built; then, on
+    this machine as it is: False without a device, and with one True exactly where nvcc
+    is found (the library must then build and load)."""
+    loads = []
+
+    def library(builds: bool) -> build.LazyLibrary:
+        def load():
+            loads.append(builds)
+            if not builds:
+                raise build.BuildError("nvcc refused the sources")
+            return ctypes.CDLL(None)
+        return build.LazyLibrary("mgrit CUDA kernels", load)
+
+    for device, builds in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda device=device: device)
+        monkeypatch.setattr(cuda, "_library", library(builds))
+        loads.clear()
+        assert cuda.available() is (device and builds), (device, builds)
+        assert loads == ([builds] if device else []), (device, builds)
+    monkeypatch.undo()
+    assert cuda.available() is (torch.cuda.is_available() and _nvcc_missing() is None)
 
 
 @pytest.mark.parametrize("change,error,message", [
@@ -211,11 +237,21 @@ def test_kernels_take_strided_layer_views(dtype):
 
 
 @needs_gpu
-def test_too_wide_layers_are_refused():
-    limit = cuda.library().mgrit_dense_max_width(8)
-    u, W, b, _ = _problem(1, 1, limit + 1, torch.float64, device="cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype):
+    limit = cuda.library().mgrit_dense_max_width(torch.finfo(dtype).bits // 8)
+    assert limit == {torch.float32: 6144, torch.float64: 3072}[dtype]
+    u, W, b, g = _problem(1, 2, limit, dtype, device="cuda")
+    fwd = cuda.dense_step(u, W, b, 0.25)
+    assert _relative_error(fwd, cuda.dense_step_reference(u, W, b, 0.25)) <= TOLERANCE[dtype]
+    vjp = cuda.dense_step_vjp(u, W, b, g, 0.25)
+    expected = cuda.dense_step_vjp_reference(u, W, b, g, 0.25)
+    assert _relative_error(vjp, expected) <= TOLERANCE[dtype]
+    u, W, b, g = _problem(1, 1, limit + 1, dtype, device="cuda")
     with pytest.raises(ValueError, match=f"width d = {limit + 1} exceeds"):
         cuda.dense_step(u, W, b, 0.1)
+    with pytest.raises(ValueError, match=f"width d = {limit + 1} exceeds"):
+        cuda.dense_step_vjp(u, W, b, g, 0.1)
 
 
 # (d) the GPU check's executor section, dry run on this machine --------------------------
@@ -243,3 +279,110 @@ def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
     assert all(r["gradient_error"] < 1e-12 for r in records if r["dtype"] == "torch.float64")
     table = check._table({"environment": {}, "executors": records, "failures": {}})
     assert "| executors w2 torch.float64 | streams vs loop |" in table
+
+
+# (e) LayerParallel's CUDA path: on a GPU, and on the CPU with the twins for kernels -------
+
+def _device_blind_checks(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """The kernels' own argument checks (shapes, dtypes, layout within an interval, no
+    autograd graph), all but the last, the device's: what the CUDA path hands a kernel
+    must be what the kernel takes."""
+    try:
+        cuda._shape_checked(name, **tensors)
+    except ValueError as err:
+        if "the kernels need CUDA tensors" not in str(err):
+            raise
+
+
+def _counted_kernels(monkeypatch, twins: bool) -> dict[str, int]:
+    """Count the calls of the CUDA kernels. With `twins`, LayerParallel takes its CUDA path
+    on CPU tensors: the step strategy is chosen as for CUDA states where the kernels load
+    (`chain_steps` told the states are on a CUDA device, `cuda.available()` True), and
+    each kernel is its pure-torch twin, after the kernel's own argument checks."""
+    calls = {"dense_step": 0, "dense_step_vjp": 0}
+    for name in calls:
+        kernel = getattr(cuda, f"{name}_reference" if twins else name)
+
+        def counted(*args, _name=name, _kernel=kernel):
+            calls[_name] += 1
+            if twins:
+                _device_blind_checks(_name, dict(zip(("u", "W", "b", "g"), args[:-1])))
+            return _kernel(*args)
+        monkeypatch.setattr(cuda, name, counted)
+    if twins:
+        choose = nn_steps.chain_steps
+        monkeypatch.setattr(nn_steps, "chain_steps",
+                            lambda chain, shape, dtype, device, native:
+                            choose(chain, shape, dtype, torch.device("cuda"), native))
+        monkeypatch.setattr(cuda, "available", lambda: True)
+    return calls
+
+
+# (forward, backward) solves: exact (one level), 3 levels converged, 3 levels inexact (2 and
+# 1 cycles from a zero guess, where no converged fine level hides a wrong coarse one)
+SOLVES = {"exact": (mgrit.Config(levels=1),) * 2,
+          "converged": (mgrit.Config(levels=3, coarsening=2, tol=1e-13, max_iter=30,
+                                     min_coarse=1),) * 2,
+          "inexact": tuple(mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=cycles,
+                                        min_coarse=1) for cycles in (2, 1))}
+
+
+def _dense_network_run(solves: str, device: str, ranks: int) -> list[dict]:
+    """Per rank: a forward and backward pass of a dense tanh network of 16 layers, float64,
+    on `ranks` virtual ranks, with the step strategies it chose, its solves' residual
+    histories, its output, input gradient and parameter gradients, and those of serial
+    autograd."""
+    forward, backward = SOLVES[solves]
+
+    def program(comm):
+        model, serial = build_networks("dense", 16, forward, backward, comm=comm)
+        model, serial = model.to(device), serial.to(device)
+        x, y = (t.to(device) for t in data("dense", 4))
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = model(mine), serial(theirs)
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(ref, y).backward()
+        passes = model._passes
+        pairs = owned_pairs(model, serial, grad=True)
+        return {"strategies": [type(s.prop.kernels) for solvers in (
+                    passes.forward_solvers, passes.adjoint_solvers) for s in solvers.values()],
+                "stats": model.stats,
+                "result": [t.cpu() for t in (out.detach(), mine.grad, *(a for a, _ in pairs))],
+                "serial": [t.cpu() for t in (ref.detach(), theirs.grad, *(b for _, b in pairs))]}
+
+    return [program(None)] if ranks == 1 else run_ranks(ranks, program)
+
+
+@pytest.mark.parametrize("device,solves,ranks", [
+    ("cpu", "exact", 1), ("cpu", "converged", 1), ("cpu", "converged", 3),
+    ("cpu", "inexact", 1), ("cpu", "inexact", 3),
+    pytest.param("cuda", "exact", 1, marks=needs_gpu),
+    pytest.param("cuda", "converged", 1, marks=needs_gpu),
+    pytest.param("cuda", "inexact", 1, marks=needs_gpu)])
+def test_layer_parallel_on_the_cuda_path_matches_autograd_and_torch_kernels(
+        device, solves, ranks, monkeypatch):
+    """A dense tanh network through `CudaDenseSteps` (batched steps and adjoint steps on
+    the kernels, single steps and parameter cotangents on torch's): on the CPU with the
+    kernels' twins, on a GPU with the kernels. Exact and converged solves: output, input
+    gradient and every parameter gradient equal serial autograd's to round-off. Every
+    solve: those and the residual histories equal the same solves' on torch's kernels
+    (CPU). Both passes chose the CUDA strategy, and with several levels both kernels ran."""
+    monkeypatch.setenv("MGRIT_NATIVE", "torch")
+    plain = _dense_network_run(solves, "cpu", ranks)
+    calls = _counted_kernels(monkeypatch, twins=device == "cpu")
+    results = _dense_network_run(solves, device, ranks)
+    for rank, on_torch in zip(results, plain):
+        assert rank["strategies"] == [kernel_steps.CudaDenseSteps] * 2
+        assert on_torch["strategies"] == [kernel_steps.ChainSteps] * 2
+        if solves != "inexact":
+            assert relative(zip(rank["result"], rank["serial"])) <= 1e-13
+        assert relative(zip(rank["result"], on_torch["result"])) <= 1e-13
+        for kind in ("forward", "backward"):
+            stats, config = rank["stats"][kind], SOLVES[solves][kind == "backward"]
+            assert stats["residuals"] == pytest.approx(on_torch["stats"][kind]["residuals"],
+                                                       rel=1e-9, abs=1e-13), kind
+            if solves == "converged":
+                assert stats["iterations"] < config.max_iter
+                assert stats["residuals"][-1] <= config.tol
+    if solves != "exact":
+        assert calls["dense_step"] > 0 and calls["dense_step_vjp"] > 0, calls

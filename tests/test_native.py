@@ -1,4 +1,6 @@
-"""The native (C) convolution kernels against torch, and their use by the layer kernels."""
+"""The native (C) kernels against torch, at their limits and on random shapes, their build
+(a failed one fails these tests; only a missing compiler skips them), and their use by the
+layer kernels."""
 
 import dataclasses
 import os
@@ -14,10 +16,40 @@ import mgrit
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import build as kernel_build
 from mgrit.kernels import chain, choice, dense, native, steps
+from mgrit.kernels.chain import Chain
 
 from nets import build, data, owned_pairs, relative
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+def no_compiler() -> str | None:
+    """Why no C compiler is found here (none named by $CC, none on PATH), or None. A
+    compiler that $CC names counts as found: if it does not run, the build is broken."""
+    if os.environ.get("CC"):
+        return None
+    try:
+        kernel_build.c_compiler()
+    except kernel_build.BuildError as err:
+        return str(err)
+    return None
+
+
+def load_native() -> None:
+    """Skip the running test where no C compiler is found; otherwise load the native
+    kernels, so that a build that fails with a compiler at hand (a compile error, a missing
+    entry point, a cache that cannot be written) fails the test with the compiler's message.
+    `native.available()` cannot tell these apart: it is False for all of them."""
+    reason = no_compiler()
+    if reason is not None:
+        pytest.skip(reason)
+    native.library()
+
+
+@pytest.fixture
+def native_kernels() -> None:
+    load_native()
+
+
+needs_native = pytest.mark.usefixtures("native_kernels")
 
 # (N, Ci, Co, H, W, KH, KW): W1's layer, odd and rectangular kernels, 1x1, single pixels
 SHAPES = [(50, 3, 3, 28, 28, 3, 3), (2, 2, 5, 7, 9, 5, 5), (3, 4, 1, 5, 6, 1, 1),
@@ -60,6 +92,45 @@ def test_conv2d_takes_strided_inputs_and_empty_batches():
     assert native.conv2d(x[:0], w, b).shape == (0, 5, 7, 9)
 
 
+# conv2d.c's geometry: outputs in tiles of 2 vectors of 64 bytes (32 float32 or 16 float64
+# values) over rows of the padded width W + KW - 1, output channels in blocks of 4. Shapes
+# whose H (W + KW - 1) fills whole tiles of either dtype exactly or by one value more, with
+# 4, 5, 8 and 9 output channels, and kernels larger than the image.
+EDGES = [(2, 2, 4, 2, 6, 3, 3), (1, 3, 5, 1, 15, 1, 3), (2, 2, 8, 4, 6, 3, 3),
+         (1, 2, 9, 3, 9, 5, 3), (3, 1, 4, 1, 16, 1, 1), (2, 3, 5, 1, 17, 3, 1),
+         (2, 2, 3, 1, 2, 7, 5), (1, 4, 6, 3, 2, 5, 7)]
+
+
+def _random_shape(seed):
+    """(N, Ci, Co, H, W, KH, KW) drawn with `seed`: odd kernels of 1 to 7 taps a side,
+    images from a single pixel to wider than a tile."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    return (draw(1, 4), draw(1, 6), draw(1, 9), draw(1, 19), draw(1, 19),
+            2 * draw(0, 3) + 1, 2 * draw(0, 3) + 1)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", EDGES + [_random_shape(seed) for seed in range(12)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+def test_conv2d_and_its_weight_gradient_equal_torch_on_tile_edges_and_random_shapes(
+        shape, dtype, tol):
+    """Against torch's float64 convolution and weight gradient: a tile or channel block
+    that the image or the channels fill only in part must read zeros, not what lies past
+    the data."""
+    x, w, b, g = _operands(shape, dtype, seed=sum(shape))
+    pad = (w.shape[2] // 2, w.shape[3] // 2)
+    ref = F.conv2d(x.double(), w.double(), b.double(), padding=pad)
+    assert relative([(native.conv2d(x, w, b), ref)]) <= tol
+    assert relative([(native.conv2d(x, w), ref - b.double()[:, None, None])]) <= tol
+    ref = torch.nn.grad.conv2d_weight(x.double(), w.shape, g.double(), padding=pad)
+    gw = native.conv2d_weight(x, w.shape, g)
+    assert gw.dtype == dtype and relative([(gw, ref)]) <= tol
+
+
 @pytest.mark.parametrize("args,error,words", [
     (((2, 3, 5, 5), (3, 3, 2, 3), None), ValueError, "odd kernel"),
     (((2, 3, 5, 5), (3, 4, 3, 3), None), ValueError, "Co, Ci, KH, KW"),
@@ -87,8 +158,8 @@ def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, mon
     """Exact solves (levels=1) of a conv network, float64, with the native kernels forced on
     and off: output and every gradient equal serial autograd's, and the forced choice is
     the one that ran."""
-    if forced and not native.available():
-        pytest.skip("no C compiler here")
+    if forced:
+        load_native()
     monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
     monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: forced)
     calls = []
@@ -107,6 +178,7 @@ def test_layer_kernels_match_serial_autograd_with_either_convolution(forced, mon
     assert set(calls) == ({"conv2d", "conv2d_weight"} if forced else set())
 
 
+@needs_native
 def test_operands_that_autograd_tracks_go_to_torch(monkeypatch):
     x, w, b, _ = _operands(SHAPES[1], torch.float64)
     monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
@@ -190,6 +262,62 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
     assert second.returncode == 0 and second.stdout.strip() == path, second.stderr
     assert os.stat(path).st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+
+
+def _raised(fn) -> BaseException | None:
+    """What fn raised, or None; pytest's skip is caught too (it is no Exception)."""
+    try:
+        fn()
+    except BaseException as err:
+        return err
+    return None
+
+
+@pytest.mark.parametrize("breakage", ["compile error", "missing entry point",
+                                      "cache not writable", "$CC not executable",
+                                      "no compiler"])
+def test_a_broken_build_fails_the_tests_that_need_it_and_only_no_compiler_skips(
+        breakage, tmp_path, monkeypatch):
+    """`load_native`, which every test of the native kernels runs first, against builds
+    that fail where a compiler is found: each raises the compiler's or the loader's message,
+    not a skip, while `native.available()` is False as ever (the layer kernels then use
+    torch). Only where no compiler is found at all does it skip, without building."""
+    if breakage not in ("$CC not executable", "no compiler") and no_compiler():
+        pytest.skip(no_compiler())
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_library", native._library.fresh())
+    recipe = kernel_build.C
+    if breakage == "compile error":
+        source = tmp_path / "broken.c"
+        source.write_text("int mgrit_conv2d_f32(void) { return undeclared_here; }\n")
+        recipe = dataclasses.replace(recipe, sources=(source,))
+        words = [str(source), "undeclared_here"]
+    elif breakage == "missing entry point":      # conv2d.c alone: no dense kernels
+        recipe = dataclasses.replace(recipe, sources=recipe.sources[:1])
+        words = ["mgrit_dense_tanh_f32"]
+    elif breakage == "cache not writable":       # the cache folder would be below a file
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+        words = [str(tmp_path / "file" / "cache")]
+    elif breakage == "$CC not executable":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        words = ["no-such-cc", "which is not an executable"]
+    else:
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setattr(kernel_build.shutil, "which", lambda name: None)
+        monkeypatch.setattr(native, "_library", kernel_build.LazyLibrary(
+            "native kernels", lambda: pytest.fail("built without a compiler")))
+    monkeypatch.setattr(native, "C", recipe)
+    err = _raised(load_native)
+    if breakage == "no compiler":
+        assert isinstance(err, pytest.skip.Exception), err
+        assert "no C compiler: set $CC or put cc, gcc or clang on PATH" in str(err)
+        return
+    assert not isinstance(err, pytest.skip.Exception), f"skipped: {err}"
+    assert isinstance(err, RuntimeError), err
+    assert "the mgrit native kernels cannot be loaded" in str(err)
+    assert all(word in str(err) for word in words), str(err)
+    assert not native.available()
 
 
 @pytest.mark.parametrize("name,methods", [
@@ -451,3 +579,101 @@ def test_states_wider_than_the_native_limit_stay_with_torch(monkeypatch):
     x, y = data("dense", rows - 1)
     nn.functional.cross_entropy(model(x), y).backward()
     assert calls
+
+
+# Dense kernels on random shapes and at their limits --------------------------------------
+
+def _dense_against_autograd(count, rows, d, dtype, seed):
+    """The largest relative error of the native dense step (with g and the kept tanh) and
+    its adjoint (with g and the parameter cotangents), on operands drawn with `seed`,
+    against autograd in float64."""
+    w, b, u, a, g = _dense_operands(count, rows, d, dtype, seed)
+    x, wd, bd = (t.double().requires_grad_() for t in (u, w, b))
+    dt = 0.3
+    y = torch.tanh(x @ wd.transpose(1, 2) + bd[:, None])
+    step = x + dt * y
+    du, dw, db = torch.autograd.grad(step, (x, wd, bd), a.double())
+    out, keep = torch.empty_like(u), torch.empty_like(u)
+    native.dense_tanh(u, w, b, dt, out, g, keep)
+    adj, gw, gb = torch.empty_like(a), torch.empty_like(w), torch.empty_like(b)
+    native.dense_tanh_vjp(w, a, keep, dt, adj, g, u, (gw, gb))
+    return max(relative([(out, g.double() + step.detach())]), relative([(keep, y.detach())]),
+               relative([(adj, g.double() + du)]), relative([(dt * gw, dw)]),
+               relative([(dt * gb, db)]))
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+def test_dense_tanh_step_and_adjoint_equal_autograd_on_random_shapes(seed, dtype, tol):
+    """Widths on and off the vector lanes (4 float64 or 8 float32 values), any number of
+    layers and rows."""
+    gen = torch.Generator().manual_seed(seed)
+    count, rows, d = (int(torch.randint(lo, hi + 1, (), generator=gen))
+                      for lo, hi in ((1, 6), (1, 5), (1, 70)))
+    assert _dense_against_autograd(count, rows, d, dtype, seed) <= tol, (count, rows, d)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+def test_dense_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype, tol):
+    """At native.MAX_WIDTH the kernels equal autograd; one past it every entry point says
+    so: the Python calls and NativeDense with a ValueError, the C functions themselves (the
+    same limit, dense.c's MAX_WIDTH) with their code 2, before writing anything."""
+    limit = native.MAX_WIDTH
+    assert _dense_against_autograd(2, 2, limit, dtype, seed=3) <= tol
+    assert dense.NativeDense(dtype, limit).width == limit
+    d = limit + 1
+    w, b, u, a, _ = _dense_operands(1, 2, d, dtype)
+    out = torch.full_like(u, 7.0)
+    message = f"width {d} is above the kernels' limit of {limit}"
+    with pytest.raises(ValueError, match=message):
+        native.dense_tanh(u, w, b, 0.1, out)
+    with pytest.raises(ValueError, match=message):
+        native.dense_tanh_vjp(w, a, u, 0.1, out)
+    with pytest.raises(ValueError, match=message):
+        dense.NativeDense(dtype, d)
+    lib, suffix = native.library(), native.SUFFIX[dtype]
+    pu, pw, pb, pa, po = (t.data_ptr() for t in (u, w, b, a, out))
+    codes = [
+        getattr(lib, f"mgrit_dense_tanh_{suffix}")(
+            pu, 0, pw, 0, pb, 0, None, 0, po, 0, None, 0, 0.1, 1, 2, d),
+        getattr(lib, f"mgrit_dense_tanh_vjp_{suffix}")(
+            pw, 0, pa, 0, pu, 0, None, 0, po, 0, None, 0, None, 0, None, 0, 0.1, 1, 2, d),
+        getattr(lib, f"mgrit_dense_tanh_one_{suffix}")(pu, pw, pb, None, po, None, 0.1, 2, d),
+        getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")(pw, pa, pu, None, po, 0.1, 2, d)]
+    assert codes == [2, 2, 2, 2]
+    assert bool((out == 7.0).all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_them(
+        dtype, tol, monkeypatch):
+    """`chain_steps` takes the native dense steps for states of at most
+    DENSE_NATIVE_MAX_VALUES values (and where MGRIT_NATIVE allows them), torch's kernels
+    past that; its batches of forward steps run natively up to DENSE_NATIVE_MAX_BATCH
+    values and on torch past that. Either way a batch equals the step in float64."""
+    cpu, d = torch.device("cpu"), 8
+    chain = Chain.of(nn.Sequential(nn.Linear(d, d), nn.Tanh()))
+    at = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d, d])
+    past = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d + 1, d])
+    assert type(steps.chain_steps(chain, at, dtype, cpu, True)) is steps.NativeDenseSteps
+    assert type(steps.chain_steps(chain, past, dtype, cpu, True)) is steps.ChainSteps
+    assert type(steps.chain_steps(chain, at, dtype, cpu, False)) is steps.ChainSteps
+
+    rows = 4
+    strategy = steps.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)
+    calls = _count_native(monkeypatch)
+    most = dense.DENSE_NATIVE_MAX_BATCH // (rows * d)
+    for count, natively in ((most, True), (most + 1, False)):
+        w, b, u, _, g = _dense_operands(count, rows, d, dtype, seed=count)
+        t = {strategy.weight: w, strategy.bias: b}
+        ref = u.double() + 0.3 * torch.tanh(u.double() @ w.double().transpose(1, 2)
+                                            + b.double()[:, None])
+        calls.clear()
+        got = strategy.batch(t, u, 0.3)
+        out = torch.empty_like(u)
+        strategy.batch_into(t, u, 0.3, out, g, True)
+        assert calls == (["step_batch"] * 2 if natively else []), count
+        assert relative([(got, ref), (out, g.double() + ref)]) <= tol, count

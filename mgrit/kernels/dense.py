@@ -26,9 +26,14 @@ class NativeDense:
     or batch of layers where torch takes four or five (`mgrit.kernels.steps.chain_steps`
     decides where they run). Its calls return False, having done nothing, where an operand's
     layout does not suit them (the caller then computes with torch). No autograd graph is
-    recorded: the callers pass detached tensors."""
+    recorded: the callers pass detached tensors. A width above the kernels' limit
+    (native.MAX_WIDTH) is refused here: the C code refuses it too, with a return code that
+    these calls do not read."""
 
     def __init__(self, dtype: torch.dtype, width: int) -> None:
+        if width > native.MAX_WIDTH:
+            raise ValueError(f"NativeDense: width {width} is above the kernels' limit of "
+                             f"{native.MAX_WIDTH}")
         lib = native.library()
         suffix = native.SUFFIX[dtype]
         self._step = getattr(lib, f"mgrit_dense_tanh_{suffix}")
