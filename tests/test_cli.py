@@ -14,6 +14,7 @@ def _mgrit(*args, check=True):
                           timeout=300, check=check)
 
 
+@pytest.mark.slow
 def test_bench_w0_writes_the_documented_json(tmp_path):
     out = tmp_path / "w0.json"
     proc = _mgrit("bench", "w0", "--json", str(out), "--repeats", "1")
@@ -27,6 +28,7 @@ def test_bench_w0_writes_the_documented_json(tmp_path):
     assert "ratio solve / sequential" in proc.stdout
 
 
+@pytest.mark.slow
 def test_demo_prints_residual_table_and_agreement():
     proc = _mgrit("demo", "--nx", "33", "--steps", "256", "--levels", "3")
     lines = proc.stdout.splitlines()
@@ -37,6 +39,7 @@ def test_demo_prints_residual_table_and_agreement():
     assert residuals[-1] <= 1e-10 < residuals[0]
 
 
+@pytest.mark.slow
 def test_bad_option_is_a_clear_error():
     proc = _mgrit("demo", "--relax", "FFC", check=False)
     assert proc.returncode == 2
@@ -59,6 +62,7 @@ def test_demo_on_two_ranks_agrees_with_sequential_stepping():
     assert float(diff.split()[-1]) < 1e-9
 
 
+@pytest.mark.slow
 def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     out = tmp_path / "w2.json"
     _mgrit("bench", "w2", "--json", str(out), "--repeats", "1")

@@ -61,6 +61,7 @@ def _relative_error(actual, expected) -> float:
 
 # (a) the build -------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
 def test_build_command_compiles_the_library_into_the_cache(tmp_path):
     proc = _build_command(tmp_path)
@@ -76,6 +77,7 @@ def test_build_command_compiles_the_library_into_the_cache(tmp_path):
     assert lib.mgrit_dense_max_width(4) == 6144 and lib.mgrit_dense_max_width(8) == 3072
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
 def test_kernel_without_device_returns_an_error_code(tmp_path, monkeypatch):
@@ -98,6 +100,7 @@ def test_kernel_without_device_returns_an_error_code(tmp_path, monkeypatch):
     assert int(code) != 0 and reason.strip()
 
 
+@pytest.mark.slow
 def test_build_command_without_nvcc_fails_clearly(tmp_path):
     proc = _build_command(tmp_path / "cache", NVCC=str(tmp_path / "no-such-nvcc"))
     assert proc.returncode == 1
@@ -105,6 +108,7 @@ def test_build_command_without_nvcc_fails_clearly(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvcc_missing() is not None, reason=f"no nvcc: {_nvcc_missing()}")
 def test_library_is_built_on_first_use_and_again_for_changed_sources(tmp_path, monkeypatch):
     """Keyed as the C kernels are: the cache holds one library per source text, so an edited
@@ -261,6 +265,7 @@ def _gpu_check():
     return gpu_check
 
 
+@pytest.mark.slow
 def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
     """The section that checks the batched and the stream executor against the loop, and
     levels=1 against serial PyTorch, on a GPU, run on the CPU: float64 results agree, and a

@@ -21,6 +21,7 @@ def run(*args, ranks=1):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_train_digits_example():
     out = run(EXAMPLES / "train_digits.py", "--epochs", "2")
     lines = out.splitlines()
@@ -28,12 +29,14 @@ def test_train_digits_example():
     assert lines[-1].split()[-1] == lines[-2].split("test accuracy ")[1].split(",")[0]
 
 
+@pytest.mark.slow
 def test_heat_example_matches_sequential_stepping():
     out = run(EXAMPLES / "heat_parallel_in_time.py")
     diff = float(out.splitlines()[-1].split("= ")[1].split(";")[0])
     assert diff < 1e-9
 
 
+@pytest.mark.slow
 def test_convergence_study_example(tmp_path):
     run(EXAMPLES / "convergence_study.py", tmp_path)
     assert (tmp_path / "convergence.png").stat().st_size > 10_000

@@ -105,6 +105,7 @@ def test_mpi4py_is_imported_by_the_mpi_communicator_alone():
     "import mgrit",
     "import mgrit; from mgrit.nn import LayerParallel; import mgrit.problems",
 ])
+@pytest.mark.slow
 def test_importing_the_library_loads_none_of_the_tools_dependencies(code):
     probe = (f"{code}; import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('sklearn', 'matplotlib', 'yaml', 'scipy', 'mpi4py', 'benchmarks') "

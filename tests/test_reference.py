@@ -124,6 +124,7 @@ PYMGRIT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem,levels,m,cf,cycle,nested,weight", PYMGRIT_CASES)
 def test_histories_equal_pymgrit(problem, levels, m, cf, cycle, nested, weight):
     n, t1 = (1024, 50.0) if problem == "dahlquist" else (128, 2.0)
@@ -328,6 +329,7 @@ NONLINEAR_CASES = [
 _ids = ["-".join(map(str, c)).replace(" ", "") for c in NONLINEAR_CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coarsening,cf,cycle,nested,weight", NONLINEAR_CASES, ids=_ids)
 def test_pendulum_equals_pymgrit(coarsening, cf, cycle, nested, weight):
     """A nonlinear ODE system whose pendulum swings over the top (|x| reaches 4.3)."""
@@ -336,6 +338,7 @@ def test_pendulum_equals_pymgrit(coarsening, cf, cycle, nested, weight):
                           nested, weight, cycles=12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("execution", ["auto", "loop"])
 @pytest.mark.parametrize("coarsening,cf,cycle,nested,weight", NONLINEAR_CASES, ids=_ids)
 def test_tanh_network_equals_pymgrit(coarsening, cf, cycle, nested, weight, execution):

@@ -271,6 +271,7 @@ def test_virtual_ranks_share_one_core_and_the_callers_cores_come_back():
     assert os.sched_getaffinity(0) == before
 
 
+@pytest.mark.slow
 def test_a_wait_for_a_message_never_sent_times_out():
     with pytest.raises(VirtualFailure, match="deadlock"):
         run_ranks(2, lambda comm: comm.irecv(torch.zeros(1), 1 - comm.rank, 0).wait(),

@@ -69,6 +69,7 @@ def test_bad_settings_are_named(tmp_path, content, words):
         load(path)
 
 
+@pytest.mark.slow
 def test_bad_setting_on_the_command_line_fails_before_any_file(tmp_path):
     out = tmp_path / "out"
     proc = mgrit("train", "--out", str(out), "--set", "training.optimzer=adam", check=False)
@@ -77,6 +78,7 @@ def test_bad_setting_on_the_command_line_fails_before_any_file(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_unwritable_output_directory_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -90,6 +92,7 @@ def test_unwritable_output_directory_fails_before_training(tmp_path):
     (["--serial", "--trace", "2"], "[output] trace = 2: traces record layer-parallel training"),
     (["--trace", "39"], "[output] trace = 39: the first epoch has 39 steps; at most steps - 1"),
 ])
+@pytest.mark.slow
 def test_impossible_trace_settings_fail_before_any_file(tmp_path, flags, words):
     proc = mgrit("train", *TINY, *flags, "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
@@ -97,6 +100,7 @@ def test_impossible_trace_settings_fail_before_any_file(tmp_path, flags, words):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_missing_optional_dependency_is_a_clear_error(tmp_path):
     proc = mgrit("train", *TINY, "--dataset", "mnist", "--out", str(tmp_path / "o"),
                  check=False)
@@ -185,6 +189,7 @@ def test_trace_records_steps_that_replay_near_their_measured_times(tmp_path):
     assert [r[2] for r in rows] == [f"{m * 1e3:.2f}ms" for m in meta["step_seconds"]]
 
 
+@pytest.mark.slow
 def test_replay_of_a_file_that_is_no_trace_is_a_clear_error(tmp_path):
     path = tmp_path / "metrics.json"
     path.write_text('{"loss": 1.0}')
@@ -209,6 +214,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, ranks):
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
+@pytest.mark.slow
 def test_resume_of_a_different_network_is_refused(tmp_path):
     out = tmp_path / "run"
     mgrit("train", *TINY, "--out", str(out))
@@ -219,6 +225,7 @@ def test_resume_of_a_different_network_is_refused(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_interrupted_run_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "mgrit", "train", *TINY, "--epochs", "500",
@@ -271,6 +278,7 @@ def test_data_parallel_run_trains_like_one_replica_on_the_full_batch(tmp_path):
         assert y["test_loss"] == pytest.approx(x["test_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_serial_resume_continues_exactly_and_a_damaged_checkpoint_is_named(tmp_path):
     """--serial runs checkpoint too: resumed, they continue as an uninterrupted run; a
     truncated serial.pt is named, with the earlier intact checkpoint to fall back to."""

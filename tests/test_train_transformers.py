@@ -61,6 +61,7 @@ def lm(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.slow
 def test_language_model_trains_and_reports_next_token_metrics(lm):
     out, stdout = lm
     recs = records(out)
@@ -95,6 +96,7 @@ def test_language_model_on_two_ranks_trains_as_on_one(lm, tmp_path):
         "meta.json", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
 
 
+@pytest.mark.slow
 def test_serial_training_draws_the_layer_parallel_dropout(lm, tmp_path):
     """--serial trains the same network: same weights, data and dropout masks, so its
     losses are the layer-parallel run's up to MGRIT's inexact solves."""
@@ -103,6 +105,7 @@ def test_serial_training_draws_the_layer_parallel_dropout(lm, tmp_path):
     assert losses(out) == pytest.approx(losses(lm[0]), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_resumed_language_model_continues_the_draws(lm, tmp_path):
     """A run resumed after epoch 1 continues with the dropout draws of step 4, as the
     uninterrupted run did: every record after the resume is that run's."""
@@ -112,6 +115,7 @@ def test_resumed_language_model_continues_the_draws(lm, tmp_path):
     assert untimed(records(out)) == untimed(records(lm[0]))
 
 
+@pytest.mark.slow
 def test_compare_trains_the_language_model_both_ways_with_the_same_settings(tmp_path):
     out = tmp_path / "cmp"
     mgrit("compare", *GPT, "--ranks", "1", "--out", str(out))
@@ -165,6 +169,7 @@ def test_settings_that_do_not_go_together_are_named(overrides, words):
         check(load(None, [parse_override(text) for text in overrides]))
 
 
+@pytest.mark.slow
 def test_mismatched_network_fails_before_any_file(tmp_path):
     out = tmp_path / "out"
     proc = mgrit("train", "--dataset", "digits", "--network", "gpt", "--out", str(out),

@@ -31,6 +31,7 @@ def _epochs(folder):
 
 # 1. output folders ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_rerun_into_a_used_folder_is_refused_and_overwrite_replaces(tmp_path):
     out = tmp_path / "run"
     mgrit("train", *TINY, "--out", str(out))
@@ -45,6 +46,7 @@ def test_a_rerun_into_a_used_folder_is_refused_and_overwrite_replaces(tmp_path):
     assert [r["epoch"] for r in _epochs(out)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_compare_refuses_a_used_folder_before_training(tmp_path):
     out = tmp_path / "cmp"
     shown = [a for a in TINY if a != "--no-progress"]
@@ -61,6 +63,7 @@ def test_compare_refuses_a_used_folder_before_training(tmp_path):
 
 # 2. resume semantics ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_applies_a_new_learning_rate_and_refuses_what_it_cannot_change(tmp_path):
     first = tmp_path / "first"
     mgrit("train", *TINY, "--epochs", "1", "--out", str(first))
@@ -90,6 +93,7 @@ def test_resume_applies_a_new_learning_rate_and_refuses_what_it_cannot_change(tm
     assert [r["epoch"] for r in _epochs(same)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_when_every_epoch_is_done_says_so(tmp_path):
     out = tmp_path / "done"
     mgrit("train", *TINY, "--out", str(out))
@@ -123,6 +127,7 @@ def test_an_unreadable_checkpoint_on_rank_1_is_named_on_every_launch(tmp_path, r
 
 # 4. any number of levels -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_more_levels_take_their_relaxation_from_the_defaults(tmp_path):
     s = load(None, [{"forward": {"levels": 5}, "backward": {"levels": 5}}])
     assert s.solver("forward").levels == 5 and len(s.forward["relax"]) == 4
@@ -182,6 +187,7 @@ def test_ctrl_c_ends_every_rank_with_one_message_and_the_resume_command(tmp_path
     (["--set", "training.momentum=1.5"], "[training] momentum must lie in [0, 1)"),
     (["--reset-optimizer"], "--reset-optimizer applies to --resume only"),
 ])
+@pytest.mark.slow
 def test_settings_that_cannot_work_fail_before_any_file(tmp_path, flags, words):
     out = tmp_path / "o"
     proc = mgrit("train", *TINY, *flags, "--out", str(out), check=False)
@@ -193,12 +199,14 @@ def test_settings_that_cannot_work_fail_before_any_file(tmp_path, flags, words):
     (["--ranks", "0"], "--ranks 0: the layer-parallel run needs at least 1 rank"),
     (["--serial"], "unrecognized arguments: --serial"),
 ])
+@pytest.mark.slow
 def test_compare_refuses_impossible_flags(tmp_path, flags, words):
     proc = mgrit("compare", *TINY, *flags, "--out", str(tmp_path / "c"), check=False)
     assert proc.returncode == 2 and words in proc.stderr
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_resume_drops_a_metrics_line_cut_short_and_names_a_corrupt_one(tmp_path):
     out = tmp_path / "run"
     mgrit("train", *TINY, "--out", str(out))
@@ -243,6 +251,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_exactly(tmp_path):
 
 # 10. the smaller things ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_help_shows_defaults_and_choices():
     proc = mgrit("train", "--help")
     assert "{sgd,adam}" in proc.stdout and "(default: 32)" in proc.stdout
