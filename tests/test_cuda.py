@@ -376,6 +376,7 @@ def test_layer_parallel_on_the_cuda_path_matches_autograd_and_torch_kernels(
     plain = _dense_network_run(solves, "cpu", ranks)
     calls = _counted_kernels(monkeypatch, twins=device == "cpu")
     results = _dense_network_run(solves, device, ranks)
+    assert len(results) == len(plain) == ranks
     for rank, on_torch in zip(results, plain):
         assert rank["strategies"] == [kernel_steps.CudaDenseSteps] * 2
         assert on_torch["strategies"] == [kernel_steps.ChainSteps] * 2

@@ -137,6 +137,7 @@ def test_training_with_graphs_computes_what_it_computes_without(monkeypatch):
     monkeypatch.setattr(graph_module, "CudaCapture", lambda: _Capture(log))
     model, with_graphs = _train(True)
     _, without = _train(False)
+    assert len(with_graphs) == len(without) > 0
     assert all(torch.equal(a, b) for a, b in zip(with_graphs, without))
     passes = model._passes
     solvers = list(passes.forward_solvers.values()) + list(passes.adjoint_solvers.values())
@@ -206,5 +207,6 @@ def test_cuda_graphs_on_a_gpu_equal_eager_steps():
         if graphs:
             solvers = model._passes.forward_solvers.values()
             assert sum(s.executor.graphs.captured for s in solvers) > 0
+    assert len(results) == 2 and len(results[0]) == len(results[1]) > 0
     for a, b in zip(*results):
         assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())

@@ -283,6 +283,7 @@ def test_batched_and_loop_execution_give_the_same_training_step(kind):
         nn.functional.cross_entropy(model(x), y).backward()
         grads[execution] = [p.grad.clone() for p in model.parameters()]
         grads[execution + "-stats"] = model.stats
+    assert len(grads["loop"]) == len(grads["batched"]) > 0
     for a, b in zip(grads["loop"], grads["batched"]):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     for kind_ in ("forward", "backward"):
@@ -375,6 +376,7 @@ def test_recorded_gradients_are_assembled_alike_in_one_scatter_and_batch_by_batc
         model, _ = build(kind, 16, config, config)
         nn.functional.cross_entropy(model(x), y).backward()
         grads.append([p.grad for p in model.parameters()])
+    assert len(grads) == 2 and len(grads[0]) == len(grads[1]) > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 

@@ -27,6 +27,7 @@ def test_w0_reproduces_the_established_history():
                       mgrit.Config(levels=5, coarsening=4, relax="FCF", cycle="V", tol=1e-10,
                                    initial_guess="zero"))
     assert res.converged and res.iterations == 10 and res.levels == 5
+    assert len(res.residuals) == len(W0_REFERENCE)
     for got, ref in zip(res.residuals, W0_REFERENCE):
         assert got == pytest.approx(ref, rel=1e-8)
 
@@ -126,6 +127,7 @@ def test_loop_and_batched_relaxation_agree(name, cycle, relax, guess):
     loop, batched = runs["loop"], runs["batched"]
     assert runs["streams"].residuals == loop.residuals   # a loop on a CPU
     scale = loop.residuals[0]
+    assert len(loop.residuals) == len(batched.residuals) > 0
     for a, b in zip(loop.residuals, batched.residuals):
         assert abs(a - b) <= 1e-12 * max(abs(a), 1e-3 * scale)
     assert relative_error(batched.states, loop.states) <= 1e-12
