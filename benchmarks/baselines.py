@@ -34,14 +34,15 @@ def split_blocks(network: nn.Sequential, ranks: int) -> list[nn.Sequential]:
     return blocks
 
 
-def _shapes(blocks: list[nn.Sequential], x: Tensor) -> list[torch.Size]:
-    """The input shape of every block (a dry run, no communication)."""
-    shapes = []
+def _inputs(blocks: list[nn.Sequential], x: Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+    """The input shape and dtype of every block (a dry run, no communication): the first
+    block's may be token ids, the others' are states."""
+    inputs = []
     with torch.no_grad():
         for block in blocks:
-            shapes.append(x.shape)
+            inputs.append((x.shape, x.dtype))
             x = block(x)
-    return shapes
+    return inputs
 
 
 class LayerwiseModelParallel:
@@ -56,19 +57,19 @@ class LayerwiseModelParallel:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         blocks = split_blocks(network, self.size)
-        self.in_shape = _shapes(blocks, example)[self.rank]
+        self.in_shape, self.in_dtype = _inputs(blocks, example)[self.rank]
         self.block = blocks[self.rank]
         self.loss_fn = loss_fn
         self.optimizer = optimizer(self.block.parameters())
 
-    def _recv(self, shape: torch.Size, source: int) -> Tensor:
-        buf = torch.empty(shape)
+    def _recv(self, shape: torch.Size, source: int, dtype: torch.dtype) -> Tensor:
+        buf = torch.empty(shape, dtype=dtype)
         self.comm.Recv(buf.numpy(), source=source)
         return buf
 
     def forward(self, x: Tensor) -> Tensor | None:
         with torch.no_grad():
-            u = x if self.rank == 0 else self._recv(self.in_shape, self.rank - 1)
+            u = x if self.rank == 0 else self._recv(self.in_shape, self.rank - 1, self.in_dtype)
             out = self.block(u)
             if self.rank < self.size - 1:
                 self.comm.Send(out.contiguous().numpy(), dest=self.rank + 1)
@@ -78,11 +79,12 @@ class LayerwiseModelParallel:
     def train_step(self, x: Tensor, y: Tensor) -> float | None:
         self.optimizer.zero_grad()
         first, last = self.rank == 0, self.rank == self.size - 1
-        u = x if first else self._recv(self.in_shape, self.rank - 1).requires_grad_()
+        u = (x if first else
+             self._recv(self.in_shape, self.rank - 1, self.in_dtype).requires_grad_())
         out = self.block(u)
         if not last:
             self.comm.Send(out.detach().contiguous().numpy(), dest=self.rank + 1)
-            grad = self._recv(out.shape, self.rank + 1)
+            grad = self._recv(out.shape, self.rank + 1, out.dtype)
             out.backward(grad)
             loss = None
         else:

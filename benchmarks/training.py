@@ -1,4 +1,5 @@
-"""Training benchmarks: W1 and W2 step times, W3 accuracy (docs/design.md, section 6).
+"""Training benchmarks: W1, W2, W4 and W5 step times, W3 accuracy (docs/design.md, section 6;
+W4 and W5's accuracy: `benchmarks.transformers`).
 
 Serial PyTorch runs in the calling process; the layer-parallel model runs in this process
 for one rank and under `mpiexec -n P` for more. Every figure is a ratio of methods timed
@@ -18,7 +19,7 @@ from mgrit.app.data import digits
 from mgrit.app.loop import evaluate, train_epoch, train_step
 from mgrit.core.config import Config
 from mgrit.kernels.choice import torch_kernels
-from mgrit.nn import LayerParallel
+from mgrit.nn import LayerParallel, draws
 from mgrit.nn.defaults import training_config
 from mgrit.kernels.steps import is_dense_tanh
 
@@ -65,24 +66,34 @@ def gradient_quality(work: TrainingWorkload) -> dict[str, float]:
     """Cosine similarity and relative error of the layer-parallel gradient (the workload's
     cycles) against serial autograd's exact gradient, and the relative error of the
     layer-parallel forward pass's output against the serial one, at the same weights and
-    batch."""
+    batch. Both are in training mode: each serial pass makes the layer-parallel pass's
+    dropout draws (`mgrit.nn.draws`), so the errors are the solver's alone."""
     model, serial = build(work)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out, ref = model(x), serial(x)
+        with draws(model.draw_seed, model.draw_step):
+            ref = serial(x)
+        out = model(x)
     output_error = float((out - ref).norm() / ref.norm())
+    with draws(model.draw_seed, model.draw_step):
+        work.loss(serial(x), y).backward()
     work.loss(model(x), y).backward()
-    work.loss(serial(x), y).backward()
-    pairs = _gradient_pairs(model, serial)
+    return {**gradient_agreement(gradient_pairs(model, serial)),
+            "output_relative_error": output_error}
+
+
+def gradient_agreement(pairs: list[tuple[Tensor, Tensor]]) -> dict[str, float]:
+    """Cosine similarity and relative error of the gradients (first of each pair) against
+    the exact ones (second), all parameters as one vector."""
     dot = sum(float((a * b).sum()) for a, b in pairs)
     na = sum(float(a.pow(2).sum()) for a, _ in pairs)
     nb = sum(float(b.pow(2).sum()) for _, b in pairs)
     diff = sum(float((a - b).pow(2).sum()) for a, b in pairs)
-    return {"cosine": dot / (na * nb) ** 0.5, "relative_error": (diff / nb) ** 0.5,
-            "output_relative_error": output_error}
+    return {"cosine": dot / (na * nb) ** 0.5, "relative_error": (diff / nb) ** 0.5}
 
 
-def _gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[Tensor, Tensor]]:
+def gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[Tensor, Tensor]]:
+    """(layer-parallel, serial) gradient of every parameter, layer by layer."""
     pairs = []
     for name in model.layers.names:
         stacked = model.layers.params[name.replace(".", "__")].grad

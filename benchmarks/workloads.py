@@ -1,23 +1,27 @@
 """The reference workloads of docs/design.md (section 6), in one registry.
 
 - `SOLVE_WORKLOADS`: W0 and heat, MGRIT solves of a time-stepping problem (`SolveWorkload`);
-- `TRAINING_WORKLOADS`: W1, W2 and W2b, training steps of a network (`TrainingWorkload`);
+- `TRAINING_WORKLOADS`: W1, W2, W2b, W4 and W5, training steps of a network
+  (`TrainingWorkload`);
 - `W3_SETTINGS`: W3's training on the digits;
-- the networks they train, each a `mgrit.nn.blocks.ResNetSpec`: `w1`, `w2`, `digits_dense`.
+- the networks they train, each a `mgrit.nn.blocks.ResNetSpec`: `w1`, `w2`, `digits_dense`,
+  and the transformers `w4` (a character language model) and `w5` (a vision transformer).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from mgrit.app.data import Split, Text, digits, topics_text
 from mgrit.core.config import Config
 from mgrit.core.cycle import Result, solve
 from mgrit.core.propagator import Propagator, Step
-from mgrit.nn.blocks import ResNetSpec, conv_step, dense_step
+from mgrit.nn.blocks import ResNetSpec, conv_step, dense_step, gpt, vit
 from mgrit.nn.defaults import training_config
 from mgrit.problems import Dahlquist, Heat1D
 
@@ -51,6 +55,44 @@ def digits_dense(width: int = 32, num_steps: int = 32) -> ResNetSpec:
     """W3's network: 8x8 digit images (64 features) -> width, dense tanh steps, 10 logits."""
     opening = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.Tanh())
     return ResNetSpec(opening, dense_step(width), nn.Linear(width, 10), num_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def topics_corpus() -> Text:
+    """W4's text, read once per process (every build of the network needs its vocabulary)."""
+    return topics_text()
+
+
+@functools.lru_cache(maxsize=None)
+def digit_images() -> Split:
+    """W5's images, read once per process."""
+    return digits()
+
+
+# The transformers' sizes and optimizer (docs/results.md, "Layer-parallel transformers")
+W4_SETTINGS = dict(width=64, heads=4, num_steps=32, context=64, dropout=0.1, batch=16, lr=3e-3)
+W5_SETTINGS = dict(width=32, heads=4, num_steps=16, patch=2, dropout=0.0, batch=32, lr=3e-3)
+
+
+def w4(num_steps: int = W4_SETTINGS["num_steps"], width: int = W4_SETTINGS["width"],
+       heads: int = W4_SETTINGS["heads"], context: int = W4_SETTINGS["context"],
+       dropout: float = W4_SETTINGS["dropout"], t_final: float = 1.0) -> ResNetSpec:
+    """W4: a GPT-style character language model of the Python reference topics
+    (`mgrit.nn.blocks.gpt`): causal pre-norm blocks, logits (batch, tokens, vocabulary)."""
+    return gpt(len(topics_corpus().vocab), width, heads, num_steps, context, dropout, t_final)
+
+
+def w5(num_steps: int = W5_SETTINGS["num_steps"], width: int = W5_SETTINGS["width"],
+       heads: int = W5_SETTINGS["heads"], patch: int = W5_SETTINGS["patch"],
+       dropout: float = W5_SETTINGS["dropout"], t_final: float = 1.0) -> ResNetSpec:
+    """W5: a small vision transformer on the 8x8 digits (`mgrit.nn.blocks.vit`), its
+    patches as tokens, mean-pooled logits of 10 classes."""
+    return vit(1, 8, patch, width, heads, num_steps, 10, dropout, t_final)
+
+
+def token_cross_entropy(out: Tensor, y: Tensor) -> Tensor:
+    """Mean cross entropy over every position: logits (..., vocabulary), targets (...)."""
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
 # Solves: W0 and heat -----------------------------------------------------------------------
@@ -116,7 +158,7 @@ SOLVE_WORKLOADS: dict[str, Callable[[], SolveWorkload]] = {"w0": w0_workload,
                                                            "heat": heat_workload}
 
 
-# Training: W1, W2, W2b and W3 --------------------------------------------------------------
+# Training: W1, W2, W2b, W3, W4 and W5 ------------------------------------------------------
 
 @dataclass
 class TrainingWorkload:
@@ -164,8 +206,45 @@ def w2_workload(batch: int = 1) -> TrainingWorkload:
         microbatches=min(batch, 4))
 
 
+def w4_workload(batch: int = W4_SETTINGS["batch"], lr: float = W4_SETTINGS["lr"],
+                **network: Any) -> TrainingWorkload:
+    """W4 (`network`: `w4`'s sizes in place of its defaults): random windows of the
+    training text and their next characters, cross entropy over every position."""
+    settings = {**W4_SETTINGS, **network}
+    context = settings["context"]
+    return TrainingWorkload(
+        "w4", f"GPT-style char LM on the Python reference topics, width {settings['width']}, "
+        f"{settings['heads']} heads, N = {settings['num_steps']} causal pre-norm blocks, "
+        f"context {context}, dropout {settings['dropout']}, batch {batch}, AdamW({lr}); MGRIT "
+        "3 levels, m = 4, F/FCF, 2 forward and 1 backward cycle",
+        lambda: w4(**network), training_config("forward"), training_config("backward"),
+        lambda g: topics_corpus().sample(batch, context, g), token_cross_entropy,
+        lambda p: torch.optim.AdamW(p, lr=lr), microbatches=min(batch, 4))
+
+
+def w5_workload(batch: int = W5_SETTINGS["batch"], lr: float = W5_SETTINGS["lr"],
+                **network: Any) -> TrainingWorkload:
+    """W5 (`network`: `w5`'s sizes in place of its defaults): a batch of distinct
+    training images of the digits."""
+    settings = {**W5_SETTINGS, **network}
+
+    def inputs(g: torch.Generator) -> tuple[Tensor, Tensor]:
+        split = digit_images()
+        pick = torch.randperm(len(split.x_train), generator=g)[:batch]
+        return split.x_train[pick], split.y_train[pick]
+    return TrainingWorkload(
+        "w5", f"ViT on the 8x8 digits, {settings['patch']}x{settings['patch']} patches as "
+        f"tokens, width {settings['width']}, {settings['heads']} heads, N = "
+        f"{settings['num_steps']} pre-norm blocks, batch {batch}, AdamW({lr}); MGRIT 3 levels, "
+        "m = 4, F/FCF, 2 forward and 1 backward cycle",
+        lambda: w5(**network), training_config("forward"), training_config("backward"),
+        inputs, nn.functional.cross_entropy, lambda p: torch.optim.AdamW(p, lr=lr),
+        microbatches=min(batch, 4))
+
+
 TRAINING_WORKLOADS: dict[str, Callable[[], TrainingWorkload]] = {
-    "w1": w1_workload, "w2": w2_workload, "w2b": lambda: w2_workload(batch=32)}
+    "w1": w1_workload, "w2": w2_workload, "w2b": lambda: w2_workload(batch=32),
+    "w4": w4_workload, "w5": w5_workload}
 
 # W3: `digits_dense` trained on the digits with training's default solver settings
 W3_SETTINGS = dict(width=32, num_steps=32, epochs=30, batch_size=32, lr=0.05, seed=0)

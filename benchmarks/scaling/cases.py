@@ -25,8 +25,9 @@ class ScalingCase:
     """A training workload of `benchmarks.workloads` at `num_steps` layers. `costed`: in
     virtual runs convolutions are charged from a cost table instead of computed. `levels`:
     a different MGRIT hierarchy depth (F-relaxation on the fine level, FCF below).
-    `repeats`: traced training steps per virtual run; `processes`: virtual runs per point,
-    each in a fresh process (the prediction is the fastest of all)."""
+    `repeats`: traced training steps per virtual run, after `warmup` untraced ones;
+    `processes`: virtual runs per point, each in a fresh process (the prediction is the
+    fastest of all). `min_ranks`: the fewest ranks the case is predicted for."""
 
     name: str
     workload: str
@@ -35,10 +36,19 @@ class ScalingCase:
     levels: int | None = None
     repeats: int = 3
     processes: int = 1
+    warmup: int = 3
+    min_ranks: int = 1
+
+    def usable(self, ranks: list[int]) -> list[int]:
+        """The rank counts of `ranks` the case runs on: at least `min_ranks` (a costed case
+        from 2: one rank would hold every layer's states), at most one layer per rank."""
+        low = max(self.min_ranks, 2 if self.costed else 1)
+        return [p for p in ranks if low <= p <= self.num_steps]
 
     def work(self, num_steps: int | None = None) -> TrainingWorkload:
         n = self.num_steps if num_steps is None else num_steps
-        network = {"w1": workloads.w1, "w2": workloads.w2}[self.workload]
+        network = {"w1": workloads.w1, "w2": workloads.w2, "w4": workloads.w4,
+                   "w5": workloads.w5}[self.workload]
         work = replace(TRAINING_WORKLOADS[self.workload](), network=lambda: network(num_steps=n))
         if self.levels is None:
             return work
@@ -48,7 +58,21 @@ class ScalingCase:
 
 CURVES = {"w2": ScalingCase("w2", "w2", 1024, costed=False, repeats=3, processes=3),
           "w1-1024": ScalingCase("w1-1024", "w1", 1024, costed=True, repeats=1)}
-CHECKS = {"w2": CURVES["w2"], "w1": ScalingCase("w1", "w1", 32, costed=True, processes=2)}
+# The transformers, predicted on request (`python -m benchmarks.scaling OUT_DIR --cases w4`),
+# not in every study. Nothing is charged from a table: every virtual run computes the whole
+# network for every rank count. W4 and W5 at their own depth (up to one layer per rank),
+# and W4 with 1024 layers for 64 ranks and more: each rank count costs a whole step of 1024
+# blocks, long enough that one warm-up step settles it.
+TRANSFORMER_CURVES = {
+    "w4": ScalingCase("w4", "w4", 32, costed=False, repeats=3, processes=2),
+    "w5": ScalingCase("w5", "w5", 16, costed=False, repeats=3, processes=2),
+    "w4-1024": ScalingCase("w4-1024", "w4", 1024, costed=False, repeats=1, warmup=1,
+                           min_ranks=64)}
+CHECKS = {"w2": CURVES["w2"], "w1": ScalingCase("w1", "w1", 32, costed=True, processes=2),
+          "w4": TRANSFORMER_CURVES["w4"], "w5": TRANSFORMER_CURVES["w5"]}
+# layer counts of the serial cost fits (cost = fixed + layers x per-layer) of every curve
+SERIAL_DEPTHS = {"w2": (256, 1024), "w1-1024": (64, 128), "w4": (16, 32), "w5": (8, 16),
+                 "w4-1024": (64, 128)}
 W0_PROCESSES = 3
 
 

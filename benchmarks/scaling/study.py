@@ -1,9 +1,11 @@
 """The scaling study: predicted speedups of layer-parallel training past this machine
 (docs/design.md, section 7; docs/scaling.md), written to OUT_DIR/scaling.json and
-OUT_DIR/scaling.png, with its tables printed."""
+OUT_DIR/scaling.png, with its tables printed; with `--cases`, the named transformer cases
+alone (`TRANSFORMER_CURVES`), written to OUT_DIR/scaling-CASES.json and .png."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -16,9 +18,9 @@ import torch
 from mgrit.app.replay import Interconnect, replay
 from mgrit.kernels.choice import torch_kernels
 
-from .cases import CHECKS, CURVES, ScalingCase
+from .cases import CHECKS, CURVES, SERIAL_DEPTHS, TRANSFORMER_CURVES, ScalingCase
 from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
-from .validation import network_from, validation
+from .validation import VALIDATED, network_from, validation
 from .virtual import fastest_points, fresh
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,12 @@ def add_baselines(rows: list[dict[str, Any]], serial: dict[str, Any],
             "forward_speedup_vs_layerwise": mp_forward / row["mgrit_forward"]})
 
 
+def _serial_for(name: str, serial: dict[str, Any]) -> dict[str, Any]:
+    """The serial costs of a curve's case, or of the case a variant was made from."""
+    return serial[name] if name in serial else serial[next(n for n in serial
+                                                           if name.startswith(n))]
+
+
 def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 256)
           ) -> dict[str, Any]:
     """Everything docs/scaling.md reports: validation on 1 and 2 MPI ranks, the measured
@@ -88,41 +96,81 @@ def _study(ranks: list[int] | None, variant_ranks: tuple[int, ...]) -> dict[str,
     shared = network_from(ping)
     cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, shared.overhead)
     networks = {"cluster": cluster, "shared memory": shared}
-    depths = {"w2": (256, 1024), "w1-1024": (64, 128)}
-    serial_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CURVES}
+    serial, serial_runs, curves = _curves(CURVES, ranks, networks)
+    variants = []
+    for levels in [n for n in (3, 4, 5) if n != CURVES["w2"].work().forward.levels]:
+        case = replace(CURVES["w2"], name=f"w2-levels{levels}", levels=levels)
+        variants += curve(case, list(variant_ranks), {"cluster": cluster})
+    for row in variants:
+        add_baselines([row], _serial_for(row["case"], serial), networks)
+    checks = {n: CHECKS[n] for n in VALIDATED if n in CHECKS}
+    return _result(CURVES, checks, networks, ping, validation_rows, serial, serial_runs,
+                   curves, variants)
+
+
+def _curves(cases: dict[str, ScalingCase], ranks: list[int], networks: dict[str, Interconnect]
+            ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The predicted curves of `cases` on the rank counts each can use, with the serial and
+    layer-wise baselines: (serial costs, all serial cost runs, curve rows)."""
+    serial_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
 
     def measure_serial() -> None:
         # serial costs are measured between the curves, so that no slow phase of the
         # machine sets them; the fastest run counts
         log.info("serial PyTorch costs")
-        for name, case in CURVES.items():
-            serial_runs[name].append(fresh(serial_costs, case, depths[name]))
+        for name, case in cases.items():
+            serial_runs[name].append(fresh(serial_costs, case, SERIAL_DEPTHS[name]))
 
     measure_serial()
-    curves, variants = [], []
-    for name, case in CURVES.items():
-        curves += curve(case, [p for p in ranks if p > 1 or not case.costed], networks)
+    curves = []
+    for case in cases.values():
+        curves += curve(case, case.usable(ranks), networks)
         measure_serial()
-    for levels in [n for n in (3, 4, 5) if n != CURVES["w2"].work().forward.levels]:
-        case = replace(CURVES["w2"], name=f"w2-levels{levels}", levels=levels)
-        variants += curve(case, list(variant_ranks), {"cluster": cluster})
-    serial = {name: fastest_serial(runs, CURVES[name].num_steps)
+    serial = {name: fastest_serial(runs, cases[name].num_steps)
               for name, runs in serial_runs.items()}
-    for row in (*curves, *variants):
-        name = next(n for n in CURVES if row["case"].startswith(n))
-        add_baselines([row], serial[name], networks)
+    for row in curves:
+        add_baselines([row], serial[row["case"]], networks)
+    return serial, serial_runs, curves
+
+
+def _result(curve_cases: dict[str, ScalingCase], checks: dict[str, ScalingCase],
+            networks: dict[str, Interconnect], ping: dict[str, float],
+            validation_rows: list[dict[str, Any]], serial: dict[str, Any],
+            serial_runs: dict[str, list[dict[str, Any]]], curves: list[dict[str, Any]],
+            variants: list[dict[str, Any]]) -> dict[str, Any]:
     cases = {c.name: {"workload": c.workload, "num_steps": c.num_steps, "costed": c.costed,
                       "repeats": c.repeats, "processes": c.processes,
                       "description": c.work().description,
                       "forward": c.work().forward.describe(),
                       "backward": c.work().backward.describe()}
-             for c in (*CURVES.values(), *CHECKS.values())}
+             for c in (*curve_cases.values(), *checks.values())}
     return {"cases": cases, "networks": {k: vars(v) for k, v in networks.items()},
             "ping_pong": ping, "validation": validation_rows, "serial_costs": serial,
             "serial_runs": serial_runs,
             "curves": curves, "variants": variants,
             "literature_speedup_vs_layerwise": LITERATURE_SPEEDUP, "convolutions": "torch",
             "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def transformer_study(names: list[str], ranks: list[int] | None = None) -> dict[str, Any]:
+    """The curves of the TRANSFORMER_CURVES cases `names`, after the validation of those
+    that are CHECKS on 1 and 2 MPI ranks (which also measures the network), as `study`
+    computes W1's and W2's."""
+    with torch_kernels():
+        torch.set_num_threads(1)
+        checked = tuple(n for n in names if n in CHECKS)
+        # a W4 run at 1024 layers alone is still checked on W4's own 32 layers
+        checked = checked or tuple(n for n in CHECKS if any(m.startswith(n) for m in names))
+        ping, validation_rows = validation(checked)
+        shared = network_from(ping)
+        networks = {"cluster": Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH,
+                                            shared.overhead),
+                    "shared memory": shared}
+        cases = {n: TRANSFORMER_CURVES[n] for n in names}
+        serial, serial_runs, curves = _curves(cases, [1, *RANKS] if ranks is None else ranks,
+                                              networks)
+        return _result(cases, {n: CHECKS[n] for n in checked}, networks, ping,
+                       validation_rows, serial, serial_runs, curves, [])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -132,8 +180,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(11, 4.2), sharey=True)
-    for ax, name in zip(axes, CURVES):
+    names = list(dict.fromkeys(r["case"] for r in result["curves"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, name in zip(axes, names):
         for network, style in (("cluster", "-"), ("shared memory", ":")):
             rows = [r for r in result["curves"] if r["case"] == name and r["network"] == network]
             p = [r["ranks"] for r in rows]
@@ -164,7 +215,8 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"{r['case']:>6} {r['metric']:>8} {r['ranks']:>2} {r['measured']:9.4f} "
               f"{r['predicted_from_mpi_traces']:15.4f} {r['error']:+7.1%} "
               f"{r['predicted_virtual']:13.4f} {r['virtual_error']:+7.1%}")
-    for name in (*CURVES, "variants"):
+    names = list(dict.fromkeys(r["case"] for r in result["curves"]))
+    for name in (*names, *(["variants"] if result["variants"] else [])):
         rows = ([r for r in result["curves"] if r["case"] == name and r["network"] == "cluster"]
                 if name != "variants" else result["variants"])
         print(f"\n{name}: predicted, cluster network (ms; speedups of a training step / of "
@@ -180,12 +232,30 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m benchmarks.scaling OUT_DIR")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser.add_argument("--cases", help="comma-separated cases of the transformers' curves "
+                        f"to predict instead of the study: {', '.join(TRANSFORMER_CURVES)}")
+    parser.add_argument("--ranks", help="with --cases: comma-separated rank counts (default "
+                        "1, 2, 4, ..., 1024; each case runs on those it can use)")
+    args = parser.parse_args(argv)
+    if args.ranks and not args.cases:
+        parser.error("--ranks goes with --cases (the study's rank counts are fixed)")
+    names = args.cases.split(",") if args.cases else []
+    unknown = [n for n in names if n not in TRANSFORMER_CURVES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(TRANSFORMER_CURVES)}")
+    try:
+        ranks = sorted({int(p) for p in args.ranks.split(",")}) if args.ranks else None
+    except ValueError:
+        parser.error(f"--ranks takes rank counts separated by commas, got {args.ranks!r}")
+    if ranks and ranks[0] < 1:
+        parser.error("--ranks: every rank count must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    result = study()
-    (out / "scaling.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "scaling.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = transformer_study(names, ranks) if names else study()
+    stem = "scaling-" + "-".join(names) if names else "scaling"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{stem}.png")
     print_tables(result)

@@ -3,8 +3,9 @@ traces of W0's solve and of the CHECKS cases' training steps and no-grad forward
 ping-pong that measures the interconnect, and the comparison of the measured times with
 replays of the runs' own traces and of virtual-rank traces.
 
-    mpiexec -n P python -m mpi4py -m benchmarks.scaling.validation
-                                    one validation run; rank 0 reports its record
+    mpiexec -n P python -m mpi4py -m benchmarks.scaling.validation [CASE...]
+                                    one validation run (of W0, W2 and W1 unless CASEs of
+                                    CHECKS are named); rank 0 reports its record
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import statistics
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 # validation runs launched per rank count, alternating 1 and 2 ranks: a 2-rank run needs both
 # cores of the machine and is the first to suffer when something else takes one
 VALIDATION_LAUNCHES = 3
+# the cases of the study's validation (W0's solve and CHECKS' training)
+VALIDATED = ("w0", "w2", "w1")
 
 
 def ping_pong(comm: Comm, sizes: tuple[int, int] = (8, 1 << 20), rounds: int = 400
@@ -89,7 +93,7 @@ def _measured_and_traced(world: Any, plain: Callable[[], Any], traced: Callable[
             [[gathered[r][k] for r in range(world.size)] for k in range(repeats)]}
 
 
-def validation_record(cases: tuple[str, ...] = ("w0", "w2", "w1"), repeats: int = 5
+def validation_record(cases: tuple[str, ...] = VALIDATED, repeats: int = 5
                       ) -> dict[str, Any] | None:
     """Under mpiexec: measured times and wall-clock traces of W0's solve and of training
     steps and no-grad forwards of CHECKS; a ping-pong between ranks 0 and 1 on 2 or more
@@ -122,9 +126,9 @@ def validation_record(cases: tuple[str, ...] = ("w0", "w2", "w1"), repeats: int 
     return record if world.rank == 0 else None
 
 
-def launch_validation(ranks: int) -> dict[str, Any]:
-    """The record of one validation run under `mpiexec -n ranks`."""
-    done = launch.run(ranks, ["-m", "benchmarks.scaling.validation"], timeout=1800)
+def launch_validation(ranks: int, cases: tuple[str, ...] = VALIDATED) -> dict[str, Any]:
+    """The record of one validation run of `cases` under `mpiexec -n ranks`."""
+    done = launch.run(ranks, ["-m", "benchmarks.scaling.validation", *cases], timeout=1800)
     return done.check().reports[0]
 
 
@@ -186,7 +190,8 @@ def virtual_checks(records: dict[int, dict[str, Any]], network: Interconnect
     return rows
 
 
-def validation() -> tuple[dict[str, float], list[dict[str, Any]]]:
+def validation(cases: tuple[str, ...] = VALIDATED
+               ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The ping-pong of 2 MPI ranks, and per case, metric and rank count (1, 2) the measured
     time (fastest of VALIDATION_LAUNCHES launches' repeats) against the replays of the MPI
     runs' own traces and of virtual-rank traces, on the network the ping-pong measured."""
@@ -194,7 +199,7 @@ def validation() -> tuple[dict[str, float], list[dict[str, Any]]]:
     launches: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
     for _ in range(VALIDATION_LAUNCHES):
         for p in launches:
-            launches[p].append(launch_validation(p))
+            launches[p].append(launch_validation(p, cases))
     records = {p: merge_records(runs) for p, runs in launches.items()}
     network = network_from(records[2]["ping_pong"])
     rows = compare(records[1], network) + compare(records[2], network)
@@ -205,6 +210,6 @@ def validation() -> tuple[dict[str, float], list[dict[str, Any]]]:
 
 
 if __name__ == "__main__":
-    record = validation_record()
+    record = validation_record(tuple(sys.argv[1:]) or VALIDATED)
     if record is not None:
         launch.report(record)

@@ -220,7 +220,7 @@ def virtual_point(case: ScalingCase | None, ranks: int, networks: dict[str, Inte
     virtual ranks, with the kernel table of a costed case."""
     kernels = KernelCosts() if case is not None and case.costed else None
     traces = (virtual_solve_traces(ranks) if case is None else
-              virtual_traces(case, ranks, case.repeats, kernels=kernels))
+              virtual_traces(case, ranks, case.repeats, case.warmup, kernels=kernels))
     return {"predictions": {label: predict(traces, net) for label, net in networks.items()},
             "kernels": kernels.describe() if kernels is not None else []}
 
