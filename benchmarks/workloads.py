@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from mgrit.app.data import Split, Text, digits, topics_text
+from mgrit.app.loop import sequence_cross_entropy
 from mgrit.core.config import Config
 from mgrit.core.cycle import Result, solve
 from mgrit.core.propagator import Propagator, Step
@@ -90,9 +91,9 @@ def w5(num_steps: int = W5_SETTINGS["num_steps"], width: int = W5_SETTINGS["widt
     return vit(1, 8, patch, width, heads, num_steps, 10, dropout, t_final)
 
 
-def token_cross_entropy(out: Tensor, y: Tensor) -> Tensor:
-    """Mean cross entropy over every position: logits (..., vocabulary), targets (...)."""
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+# mean cross entropy over every position: logits (..., vocabulary), targets (...), the loss
+# `mgrit train` gives a language model
+token_cross_entropy = sequence_cross_entropy
 
 
 # Solves: W0 and heat -----------------------------------------------------------------------
