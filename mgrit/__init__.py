@@ -4,10 +4,11 @@ from .comm import split_world
 from .core.config import Config
 from .core.cycle import DivergenceError, Result, Solver, solve
 from .core.propagator import Propagator, Step, StepBatch, step_sequentially
-from .nn import LayerParallel, ResidualStep, serial_resnet
+from .nn import Controller, LayerParallel, ResidualStep, serial_resnet
 
 __all__ = [
     "Config",
+    "Controller",
     "DivergenceError",
     "LayerParallel",
     "Propagator",

@@ -33,14 +33,20 @@ class GhostExchange:
     def __init__(self, layers: LayerStack, grids: list[LevelGrid],
                  blocks: list[tuple[int, int]], comm: Comm) -> None:
         self.layers = layers
-        rank = comm.rank
-        needs = coarse_layer_needs(grids, blocks)
+        self.blocks = blocks
+        self.comm = comm.dup()
+        self.set_grids(grids)
+
+    def set_grids(self, grids: list[LevelGrid]) -> None:
+        """Exchange what the coarse steps of the forward solver on `grids` need (another
+        hierarchy over the same blocks needs other layers)."""
+        rank = self.comm.rank
+        needs = coarse_layer_needs(grids, self.blocks)
         # (message tag, layer, rank it goes to / comes from)
         self.sends = [(tag, layer, r) for tag, (r, layer, owner) in enumerate(needs)
                       if owner == rank]
         self.recvs = [(tag, layer, owner) for tag, (r, layer, owner) in enumerate(needs)
                       if r == rank]
-        self.comm = comm.dup()
 
     def refresh(self) -> None:
         """Copy the layers other ranks' coarse steps need to them (after every update)."""

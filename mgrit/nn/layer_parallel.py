@@ -7,7 +7,10 @@ checkpoints and export (`checkpoint`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +20,7 @@ from torch import Tensor, nn
 
 from ..comm import Comm, as_comm
 from ..core.config import Config
-from ..core.grid import build_hierarchy, layer_ranges, level0_blocks
+from ..core.grid import LevelGrid, build_hierarchy, layer_ranges, level0_blocks
 from . import checkpoint
 from .defaults import training_config
 from .ghosts import GhostExchange
@@ -87,6 +90,8 @@ class LayerParallel(nn.Module):
     positions, conditioning: constant over depth) go to every step as keyword arguments,
     on every level and in the adjoint, and get gradients where they require grad.
     `model.stats` holds the cycles and residuals of the latest forward and backward solves.
+    `set_solvers` changes the solver options between steps, `probing` runs passes with
+    other options beside training's (`mgrit.nn.Controller` uses both).
     In training mode every forward pass is a new training step of the draws: layer n of
     pass k draws with `mgrit.nn.layer_key(seed, k, n)` (`draw_step` counts the passes;
     data-parallel replicas draw apart, see `set_draw_seed`).
@@ -113,23 +118,9 @@ class LayerParallel(nn.Module):
         self.inference_config = (inference if inference is not None else
                                  replace(self.forward_config, levels=1, tol=0.0, max_iter=1,
                                          initial_guess="zero"))
-        grids = {}
-        for kind, cfg in (("forward", self.forward_config), ("backward", self.backward_config),
-                          ("inference", self.inference_config)):
-            if not isinstance(cfg, Config):
-                raise TypeError(f"{kind} must be a mgrit.Config, got {type(cfg).__name__}")
-            if isinstance(cfg.initial_guess, Tensor):
-                raise ValueError(f"{kind}: a tensor initial guess makes no sense for training; "
-                                 "use 'zero', 'nested' or 'warm'")
-            grids[kind] = build_hierarchy(num_steps, cfg.coarsening_list(), cfg.levels,
-                                          cfg.min_coarse)
-            if len(grids[kind]) < cfg.levels:
-                sizes = [g.num_steps for g in grids[kind]]
-                raise ValueError(
-                    f"num_steps={num_steps} is too small for the {kind} solver's levels="
-                    f"{cfg.levels} with coarsening {cfg.coarsening} and min_coarse="
-                    f"{cfg.min_coarse}: the levels would have {sizes} steps; use fewer levels, "
-                    "a smaller coarsening or more layers")
+        grids = {kind: _grids(kind, cfg, num_steps) for kind, cfg in
+                 (("forward", self.forward_config), ("backward", self.backward_config),
+                  ("inference", self.inference_config))}
         self.comm = as_comm(comm)
         self.data_comm = as_comm(data_comm) if data_comm is not None else None
         blocks = level0_blocks(grids["forward"], self.comm.size)
@@ -145,9 +136,15 @@ class LayerParallel(nn.Module):
                               self.backward_config, self.inference_config, self.comm, blocks,
                               [g.stride for g in grids["backward"]])
         self._ghosts = GhostExchange(self.layers, grids["forward"], blocks, self.comm)
+        self._blocks = blocks
         self._checked_shapes: set[tuple] = set()
         # counts forward passes with gradients: a backward pass must follow the latest one
         self._forward_token = 0
+        # while probing: the training step whose random draws every forward pass repeats
+        self._held_draw_step: int | None = None
+        # the options, solvers and ghost exchange of probes (one set, reconfigured when a
+        # probe asks for other options)
+        self._probe: tuple[tuple, Passes, GhostExchange] | None = None
         self.stats: dict[str, dict[str, Any]] = {}
 
     # set-up ----------------------------------------------------------------------
@@ -205,24 +202,100 @@ class LayerParallel(nn.Module):
                 layers.torch_random = _draws_from_generator(layers, u0)
             self._checked_shapes.add(key)
 
+    # solver options between steps ------------------------------------------------------
+    def set_solvers(self, forward: Config | None = None, backward: Config | None = None
+                    ) -> None:
+        """Solve the next training passes with these options (None: that pass keeps its
+        own): more or fewer cycles, levels or another relaxation between two training
+        steps, as `mgrit.nn.Controller` does. Collective: every rank calls it with the same
+        options. The layers stay where they are (their partition was fixed when the model
+        was built); the solvers are built again at first use and start warm from the states
+        the old ones left, so `initial_guess="warm"` carries on across the change. A
+        backward pass through a forward pass taken before the change is refused."""
+        forward = self.forward_config if forward is None else forward
+        backward = self.backward_config if backward is None else backward
+        grids = {kind: _grids(kind, cfg, self.num_steps)
+                 for kind, cfg in (("forward", forward), ("backward", backward))}
+        self.comm.agree("solver options of set_solvers",
+                        tuple(tuple(sorted(cfg.describe().items()))
+                              for cfg in (forward, backward)))
+        self.forward_config, self.backward_config = forward, backward
+        self._passes.set_configs(forward, backward, [g.stride for g in grids["backward"]])
+        self._ghosts.set_grids(grids["forward"])
+        self._forward_token += 1
+
+    @contextlib.contextmanager
+    def probing(self, forward: Config, backward: Config
+                ) -> Iterator[dict[str, dict[str, Any]]]:
+        """Passes inside run with these solver options, on solvers of their own (built at
+        the first probe, reused by the next with the same options): a second, more accurate
+        look at the training step just taken, as `mgrit.nn.Controller` does. Training's
+        solvers and their warm-start states, `stats` and `draw_step` are as they were
+        afterwards, and forward passes in training mode inside draw the random numbers of
+        the latest training pass, so that the probe evaluates the network that pass
+        evaluated. It yields the `stats` of the passes inside. Collective: every rank probes
+        with the same options. Call it after a training step's backward pass (its gradients
+        are the probe's to compare with)."""
+        key = tuple(tuple(sorted(cfg.describe().items())) for cfg in (forward, backward))
+        if self._probe is None or self._probe[0] != key:
+            grids = {kind: _grids(kind, cfg, self.num_steps)
+                     for kind, cfg in (("forward", forward), ("backward", backward))}
+            self.comm.agree("solver options of a probe", key)
+            strides = [g.stride for g in grids["backward"]]
+            if self._probe is None:
+                passes = Passes(self.layers, self.num_steps, self.t_final, forward, backward,
+                                self.inference_config, self.comm, self._blocks, strides)
+                ghosts = GhostExchange(self.layers, grids["forward"], self._blocks, self.comm)
+            else:
+                # the same communicators, new solvers: a probe starts from its own guess,
+                # never from another probe's states
+                _, passes, ghosts = self._probe
+                passes.set_configs(forward, backward, strides, carry=False)
+                ghosts.set_grids(grids["forward"])
+            self._probe = (key, passes, ghosts)
+        saved = (self._passes, self._ghosts, self.draw_step, self.stats,
+                 self._held_draw_step)
+        self._passes, self._ghosts = self._probe[1:]
+        self._held_draw_step = max(self.draw_step - 1, 0)
+        self.stats = {}
+        try:
+            yield self.stats
+        finally:
+            (self._passes, self._ghosts, self.draw_step, self.stats,
+             self._held_draw_step) = saved
+
     # the two solves ----------------------------------------------------------------
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         if self.training:
-            self.layers.draw_step = self.draw_step
-            self.draw_step += 1
+            if self._held_draw_step is not None:
+                self.layers.draw_step = self._held_draw_step
+            else:
+                self.layers.draw_step = self.draw_step
+                self.draw_step += 1
         with torch.no_grad():
             self._ghosts.refresh()
+            # a solver is built at its first use: the solve's time leaves that out
+            self._passes.forward_solver(u0, keep, inference=not self.training)
+            start = time.perf_counter()
             res = self._passes.solve_forward(u0, keep, inference=not self.training)
+            seconds = time.perf_counter() - start
         if keep:
             self._forward_token += 1
-        self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals}
+        # the norm of the given state: what the residuals are relative to
+        self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals,
+                                 "initial_norm": float(torch.linalg.vector_norm(u0)),
+                                 "seconds": seconds}
         return res.final
 
     def _solve_backward(self, grad_out: Tensor
                         ) -> tuple[Tensor, dict[str, Tensor], list[Tensor | None]]:
         with torch.no_grad():
+            self._passes.adjoint_solver(grad_out)
+            start = time.perf_counter()
             res, recorded = self._passes.solve_backward(grad_out)
-            self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals}
+            self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals,
+                                      "initial_norm": float(torch.linalg.vector_norm(grad_out)),
+                                      "seconds": time.perf_counter() - start}
             grads = layer_gradients(self.layers, recorded)
             context = self.layers.context
             context_grads = context_gradients(recorded, context, CONTEXT)
@@ -298,6 +371,23 @@ class LayerParallel(nn.Module):
         return (f"num_steps={self.num_steps}, t_final={self.t_final}, rank {self.comm.rank} of "
                 f"{self.comm.size} owns layers {lo}..{hi}")
 
+
+def _grids(kind: str, cfg: Any, num_steps: int) -> list[LevelGrid]:
+    """The level grids of a pass's options, which must suit training and the layers."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{kind} must be a mgrit.Config, got {type(cfg).__name__}")
+    if isinstance(cfg.initial_guess, Tensor):
+        raise ValueError(f"{kind}: a tensor initial guess makes no sense for training; "
+                         "use 'zero', 'nested' or 'warm'")
+    grids = build_hierarchy(num_steps, cfg.coarsening_list(), cfg.levels, cfg.min_coarse)
+    if len(grids) < cfg.levels:
+        sizes = [g.num_steps for g in grids]
+        raise ValueError(
+            f"num_steps={num_steps} is too small for the {kind} solver's levels="
+            f"{cfg.levels} with coarsening {cfg.coarsening} and min_coarse="
+            f"{cfg.min_coarse}: the levels would have {sizes} steps; use fewer levels, "
+            "a smaller coarsening or more layers")
+    return grids
 
 
 def _draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:

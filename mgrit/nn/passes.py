@@ -44,6 +44,37 @@ class Passes:
         self.forward_solvers: dict[tuple, Solver] = {}
         # (shape, dtype, device) -> adjoint solver
         self.adjoint_solvers: dict[tuple, Solver] = {}
+        # ("forward" or "backward", shape, dtype, device) -> the level-0 rows a solver of the
+        # options before `set_configs` left, for the solver that replaces it
+        self._carried: dict[tuple, Tensor] = {}
+
+    def set_configs(self, forward: Config, backward: Config, backward_strides: list[int],
+                    carry: bool = True) -> None:
+        """Solve the next passes with these options. Their solvers are built again at first
+        use; with `carry` each starts warm from the states its predecessor for the same
+        input left, which fit whatever the hierarchy, since level-0 rows follow from the
+        blocks alone. Solvers of the inference options stay as they are."""
+        if not carry:
+            self._carried = {}
+        for kind, solvers in (("forward", self.forward_solvers),
+                              ("backward", self.adjoint_solvers)):
+            for key, solver in solvers.items():
+                if carry and (kind == "backward" or key[3]):
+                    rows = solver.warm_states()
+                    if rows is not None:
+                        self._carried[(kind, *key[:3])] = rows
+        self.forward_config = forward
+        self.backward_config = backward
+        self.backward_strides = backward_strides
+        self.forward_solvers = {key: s for key, s in self.forward_solvers.items() if key[4]}
+        self.adjoint_solvers = {}
+
+    def _built(self, kind: str, key: tuple, solver: Solver) -> Solver:
+        """A new solver, started from what its predecessor left (`set_configs`)."""
+        rows = self._carried.pop((kind, *key[:3]), None)
+        if rows is not None:
+            solver.set_warm_states(rows)
+        return solver
 
     def forward_solver(self, like: Tensor, keep: bool, inference: bool = False) -> Solver:
         """The forward solver for inputs like `like`: `keep` for passes with gradients (its
@@ -53,9 +84,10 @@ class Passes:
         key = (tuple(like.shape), like.dtype, like.device, keep, config is self.inference_config)
         if key not in self.forward_solvers:
             prop = NetworkPropagator(self.layers, like, keep)
-            self.forward_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
-                                               config, self.forward_comm, blocks=self.blocks,
-                                               final_sweep=prop.final_sweep)
+            solver = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
+                            self.forward_comm, blocks=self.blocks,
+                            final_sweep=prop.final_sweep)
+            self.forward_solvers[key] = self._built("forward", key, solver) if keep else solver
         return self.forward_solvers[key]
 
     def adjoint_solver(self, like: Tensor) -> Solver:
@@ -67,10 +99,10 @@ class Passes:
             states, offset = forward.fine_states()
             prop = AdjointPropagator(self.layers, self.num_steps, self.backward_strides,
                                      states, offset, forward.prop.outputs)
-            self.adjoint_solvers[key] = Solver(prop, like, self.num_steps, 0.0, self.t_final,
-                                               self.backward_config, self.backward_comm,
-                                               blocks=self.adjoint_blocks,
-                                               final_sweep=prop.final_sweep)
+            solver = Solver(prop, like, self.num_steps, 0.0, self.t_final,
+                            self.backward_config, self.backward_comm,
+                            blocks=self.adjoint_blocks, final_sweep=prop.final_sweep)
+            self.adjoint_solvers[key] = self._built("backward", key, solver)
         return self.adjoint_solvers[key]
 
     def solve_forward(self, u0: Tensor, keep: bool, inference: bool) -> Result:
