@@ -69,6 +69,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, serial: bool = True)
                         "another run in the output directory (otherwise refused)")
     parser.add_argument("--no-progress", action="store_true", help="no progress display")
     parser.add_argument("--no-checkpoint", action="store_true", help="no checkpoints")
+    parser.add_argument("--no-control", action="store_true", help="keep the solvers' cycles "
+                        "and levels fixed: no probes of the gradients' error ([control] "
+                        "enabled = false)")
     parser.add_argument("--verbose", action="store_true", help="every rank logs its steps")
 
 
@@ -83,6 +86,7 @@ def settings_from(args: argparse.Namespace) -> Any:
                           "backward": {"levels": args.levels}})
     flags = {"serial": ("training", "serial", True), "no_progress": ("output", "progress", False),
              "no_checkpoint": ("output", "checkpoint", False),
+             "no_control": ("control", "enabled", False),
              "verbose": ("output", "verbose", True), "overwrite": ("output", "overwrite", True)}
     for attr, (section, key, value) in flags.items():
         if getattr(args, attr, False):

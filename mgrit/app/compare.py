@@ -114,6 +114,33 @@ def markdown(rows: dict[str, Any], settings: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def control_summary(folder: Path) -> dict[str, Any] | None:
+    """What the controller of a layer-parallel run measured and did (None without one):
+    probes, their cost, the median and largest gradient error, the setting at the end and
+    every change of setting."""
+    probes = plot.read_probes(folder)
+    if not probes:
+        return None
+    errors = sorted(p["error"] for p in probes)
+    steps, _ = plot.read_metrics(folder)
+    return {"probes": len(probes), "probe_seconds": sum(p["seconds"] for p in probes),
+            "median_error": errors[len(errors) // 2], "largest_error": errors[-1],
+            "final_setting": steps[-1]["control"]["setting"],
+            "decisions": [p["decision"] for p in probes if "decision" in p]}
+
+
+def control_reading(control: dict[str, Any], settings: Settings) -> str:
+    """One sentence on what the controller did, worded from its numbers."""
+    changes = control["decisions"]
+    moved = ("it kept the configured cycles" if not changes else
+             "it changed the setting " + ", ".join(f"at step {d['step']} to {d['to']}"
+                                                   for d in changes))
+    return (f"Controller (threshold {settings.control.threshold}): {control['probes']} "
+            f"probes ({control['probe_seconds']:.2f} s), gradient error median "
+            f"{control['median_error']:.3f}, largest {control['largest_error']:.3f}; {moved}; "
+            f"setting at the end {control['final_setting']}.")
+
+
 def figures(folders: dict[str, Path], out: Path) -> list[Path]:
     runs = {label: plot.read_metrics(folder) for label, folder in folders.items()}
     epochs = {label: run[1] for label, run in runs.items()}
@@ -124,6 +151,12 @@ def figures(folders: dict[str, Path], out: Path) -> list[Path]:
              plot.bars({label: 1e3 * sum(e["seconds_per_step"] for e in ep) / len(ep)
                         for label, ep in epochs.items()}, "ms per training step",
                        out / "step_time.png")]
+    probes = plot.read_probes(folders["layer-parallel"])
+    if probes:
+        settings = json.loads((folders["layer-parallel"] / "settings.json").read_text())
+        paths.append(plot.control_curves(runs["layer-parallel"][0], probes,
+                                         settings.get("control", {}).get("threshold"),
+                                         out / "control.png"))
     return paths
 
 
@@ -132,9 +165,12 @@ def compare_training(settings: Settings, out: Path, ranks: int) -> dict[str, Any
     folders = train_both(settings, out, ranks)
     rows = summarize(folders, ranks)
     table = markdown(rows, settings)
+    control = control_summary(folders["layer-parallel"])
+    if control is not None:
+        table += "\n" + control_reading(control, settings) + "\n"
     (out / "summary.md").write_text(table)
     paths = figures(folders, out)
-    result = {"settings": settings.as_dict(), "runs": rows,
+    result = {"settings": settings.as_dict(), "runs": rows, "control": control,
               "figures": [p.name for p in paths]}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     print(table)
@@ -167,8 +203,8 @@ DEEP_WIDTH = 32
 def deep_settings(settings: Settings, steps: int, levels: int = DEEP_LEVELS,
                   coarsening: int = DEEP_COARSENING) -> Settings:
     """`settings` (data, batch, optimizer, seed) for one epoch of a deep narrow dense ResNet
-    with `steps` layers, and the deep run's solver on both passes. No checkpoint or exported
-    model: the run is a speed measurement."""
+    with `steps` layers, and the deep run's solver on both passes. No checkpoint, exported
+    model or controller: the run is a speed measurement."""
     s = copy.deepcopy(settings)
     s.network.kind = "dense"
     s.network.width = DEEP_WIDTH
@@ -178,6 +214,9 @@ def deep_settings(settings: Settings, steps: int, levels: int = DEEP_LEVELS,
     s.output.checkpoint = False
     s.output.export = False
     s.output.trace = 0
+    # the speed of the chosen solver: a controller's first probes would weigh on one short
+    # epoch far more than on a training run
+    s.control.enabled = False
     for direction in ("forward", "backward"):
         options = training_options(direction, levels, coarsening)
         setattr(s, direction, {key: list(value) if isinstance(value, tuple) else value

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ..nn import Controller
 from .data import batches
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -31,18 +32,22 @@ def correct(out: Tensor, y: Tensor) -> int:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-               x: Tensor, y: Tensor, after_forward: Callable[[], None] | None = None
-               ) -> tuple[Tensor, Tensor]:
+               x: Tensor, y: Tensor, after_forward: Callable[[], None] | None = None,
+               control: Controller | None = None) -> tuple[Tensor, Tensor]:
     """One optimizer step on the batch (x, y): zero the gradients, forward pass and loss,
     backward pass, update. `after_forward` is called once the loss is there, before the
-    backward pass (a tracer marks the end of the forward pass there). Returns the loss and
-    the model's output, both detached."""
+    backward pass (a tracer marks the end of the forward pass there). A `control`ler sees
+    the step between the backward pass and the update (it may probe the same batch; the
+    update uses the step's own gradient). Returns the loss and the model's output, both
+    detached."""
     optimizer.zero_grad()
     out = model(x)
     loss = loss_fn(out, y)
     if after_forward is not None:
         after_forward()
     loss.backward()
+    if control is not None:
+        control.after_backward(lambda: loss_fn(model(x), y))
     optimizer.step()
     return loss.detach(), out.detach()
 

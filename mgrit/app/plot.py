@@ -26,6 +26,61 @@ def read_metrics(folder: str | Path) -> tuple[list[dict], list[dict]]:
             [r for r in records if r["type"] == "epoch"])
 
 
+def read_probes(folder: str | Path) -> list[dict]:
+    """The probe records of a run's metrics.jsonl (none without a controller)."""
+    return [r for r in (json.loads(line) for line in
+                        (Path(folder) / "metrics.jsonl").read_text().splitlines()
+                        if line.strip()) if r["type"] == "probe"]
+
+
+def control_curves(steps: list[dict], probes: list[dict], threshold: float | None,
+                   path: Path) -> Path:
+    """Top: the gradient error against the training step, as probes measured it (relative
+    error of the training gradient against the exact one) and as the controller estimated
+    it between probes, with the threshold and the changes of setting. Bottom: forward and
+    backward cycles and levels per step."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    estimated = [(s["step"], s["control"]["estimate"]) for s in steps
+                 if s.get("control", {}).get("estimate")]
+    if estimated:
+        top.semilogy(*zip(*estimated), lw=0.7, color="tab:gray", label="estimate")
+    measured = [(p["step"], p["error"]) for p in probes if p["error"] > 0]
+    if measured:
+        top.semilogy(*zip(*measured), "o", ms=3.5, color="tab:blue", label="probe")
+    if threshold is not None:
+        top.axhline(threshold, ls="--", color="tab:red", lw=1, label="threshold")
+    for p in probes:
+        if "decision" in p:
+            top.axvline(p["step"], color="tab:green", lw=0.6, alpha=0.6)
+            top.annotate(p["decision"]["to"], (p["step"], 1), xycoords=("data", "axes fraction"),
+                         rotation=90, va="top", ha="right", fontsize=6)
+    top.set_ylabel("gradient relative error")
+    top.grid(alpha=0.3, which="both")
+    top.legend(fontsize=7)
+    numbers = [s["step"] for s in steps]
+    cycles = {"forward cycles": [len(s["forward_residuals"]) for s in steps],
+              "backward cycles": [len(s["backward_residuals"]) for s in steps]}
+    if all("control" in s for s in steps):
+        cycles = {"forward cycles": [s["control"]["forward_cycles"] for s in steps],
+                  "backward cycles": [s["control"]["backward_cycles"] for s in steps],
+                  "levels": [s["control"]["levels"] for s in steps]}
+    # equal counts would hide one line behind another: each has a style of its own
+    styles = {"forward cycles": ("-", 3.0), "backward cycles": ("--", 1.8), "levels": (":", 1.8)}
+    for label, values in cycles.items():
+        ls, lw = styles[label]
+        bottom.step(numbers, values, where="post", ls=ls, lw=lw, label=label)
+    bottom.set_xlabel("training step")
+    bottom.set_ylabel("per step")
+    bottom.yaxis.get_major_locator().set_params(integer=True)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def curves(runs: dict[str, list[dict]], key: str, ylabel: str, path: Path,
            percent: bool = False) -> Path:
     """One line per run: `key` of the epoch records against the epoch."""

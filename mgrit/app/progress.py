@@ -8,7 +8,7 @@ wraps. Anywhere else (a pipe or a file, which is what rank 0's stderr is under
 
 Fields are given structured and formatted here::
 
-    loss 0.4312 acc 87.5% fwd 2 cyc 3.1e-04 bwd 1 cyc 8.0e-03 12.3 ms/step
+    loss 0.4312 acc 87.5% fwd 2 cyc 3.1e-04 bwd 1 cyc 8.0e-03 ctl 2/1 L3 gerr 0.112 12.3 ms/step
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ def _forward_backward(name: str, cycles: Any, residual: Any) -> str | None:
     return " ".join(parts) if len(parts) > 1 else None
 
 
+def _control(setting: Any, error: Any) -> str | None:
+    """The controller's setting and the gradient error (probed or estimated)."""
+    if setting is None:
+        return None
+    return f"ctl {setting}" + (f" gerr {float(error):.3f}" if error is not None else "")
+
+
 def _value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -40,14 +47,16 @@ def _value(value: Any) -> str:
 def format_fields(fields: dict[str, Any]) -> list[str]:
     """The fields as short pieces, in a fixed order for the known keys (`loss`, `acc`,
     `forward_cycles`/`forward_residual`, `backward_cycles`/`backward_residual`,
-    `test_loss`, `test_acc`, `ms_per_step`), then the others as ``key value`` in their
-    order. Missing keys and None values are left out."""
+    `setting`/`gradient_error` (the controller's), `test_loss`, `test_acc`,
+    `ms_per_step`), then the others as ``key value`` in their order. Missing keys and None
+    values are left out."""
     f = fields
     pieces = [
         f"loss {float(f['loss']):.4f}" if f.get("loss") is not None else None,
         f"acc {float(f['acc']) * 100:.1f}%" if f.get("acc") is not None else None,
         _forward_backward("fwd", f.get("forward_cycles"), f.get("forward_residual")),
         _forward_backward("bwd", f.get("backward_cycles"), f.get("backward_residual")),
+        _control(f.get("setting"), f.get("gradient_error")),
         f"test loss {float(f['test_loss']):.4f}" if f.get("test_loss") is not None else None,
         f"test acc {float(f['test_acc']) * 100:.2f}%" if f.get("test_acc") is not None
         else None,
@@ -55,7 +64,8 @@ def format_fields(fields: dict[str, Any]) -> list[str]:
         else None,
     ]
     known = {"loss", "acc", "forward_cycles", "forward_residual", "backward_cycles",
-             "backward_residual", "test_loss", "test_acc", "ms_per_step"}
+             "backward_residual", "setting", "gradient_error", "test_loss", "test_acc",
+             "ms_per_step"}
     pieces += [f"{key} {_value(value)}" for key, value in f.items()
                if key not in known and value is not None]
     return [p for p in pieces if p is not None]

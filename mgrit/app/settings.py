@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import Config
+from ..nn import controller
 from ..nn.defaults import training_options
 from .data import IMAGE_SHAPES, TEXTS
 
@@ -78,6 +79,17 @@ class OutputSettings:
     label: str = ""                 # prefixes the progress lines (mgrit compare: the run)
 
 
+@dataclass
+class ControlSettings:
+    enabled: bool = True            # measure the gradients' error and control the solvers
+    threshold: float = controller.THRESHOLD   # relative gradient error to stay below
+    every: int = controller.EVERY   # steps between probes at first
+    max_every: int = controller.MAX_EVERY     # ... and at most
+    max_cycles: int = controller.MAX_CYCLES   # most cycles of either pass
+    batching: float = controller.BATCHING     # the cost model's batched-call gain
+    warm: bool = True               # try warm starts; kept where they cut the error
+
+
 def _solver_defaults(direction: str) -> dict[str, Any]:
     """Training's solver options (mgrit.nn.defaults) as settings hold them: per-level
     values as lists, as a TOML, YAML or JSON file writes them."""
@@ -96,6 +108,7 @@ class Settings:
     network: NetworkSettings = field(default_factory=NetworkSettings)
     training: TrainingSettings = field(default_factory=TrainingSettings)
     output: OutputSettings = field(default_factory=OutputSettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
     forward: dict[str, Any] = field(default_factory=lambda: dict(SOLVER_DEFAULTS["forward"]))
     backward: dict[str, Any] = field(default_factory=lambda: dict(SOLVER_DEFAULTS["backward"]))
 
@@ -131,13 +144,14 @@ class Settings:
 
 
 SECTIONS = {"data": DataSettings, "network": NetworkSettings, "training": TrainingSettings,
-            "output": OutputSettings}
+            "output": OutputSettings, "control": ControlSettings}
 CHOICES = {("data", "name"): DATASETS, ("network", "kind"): NETWORKS,
            ("network", "activation"): ACTIVATIONS, ("training", "optimizer"): OPTIMIZERS}
 POSITIVE = {("data", "samples"), ("data", "context"), ("network", "width"),
             ("network", "channels"), ("network", "steps"), ("network", "heads"),
             ("network", "patch"), ("training", "epochs"), ("training", "batch_size"),
-            ("training", "data_parallel")}
+            ("training", "data_parallel"), ("control", "every"), ("control", "max_every"),
+            ("control", "max_cycles")}
 
 
 def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
@@ -179,14 +193,18 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must be >= 0 (0: one pass over the data), got {value}")
     if (section, key) == ("network", "dropout") and not 0 <= value < 1:
         raise SettingsError(f"{where} must lie in [0, 1), got {value}")
+    if (section, key) in (("control", "threshold"), ("control", "batching")) and \
+            not value > 0:
+        raise SettingsError(f"{where} must be > 0, got {value}")
     return value
 
 
 def check(settings: Settings) -> Settings:
-    """The checks that involve more than one key: the network against the data, and the
-    transformer's shape. They need no data loaded, so a run refuses such settings before
-    anything is read or written. They apply to a run's final settings (a resumed run's
-    come from its checkpoint), not to a file or flags alone. Returns `settings`."""
+    """The checks that involve more than one key: the network against the data, the
+    transformer's shape and the probe intervals. They need no data loaded, so a run refuses
+    such settings before anything is read or written. They apply to a run's final settings
+    (a resumed run's come from its checkpoint), not to a file or flags alone. Returns
+    `settings`."""
     name, net = settings.data.name, settings.network
     kind = net.kind
     if kind == "gpt" and name not in TEXTS:
@@ -201,6 +219,11 @@ def check(settings: Settings) -> Settings:
     if kind in TRANSFORMERS and net.width % net.heads:
         raise SettingsError(f"[network] width = {net.width} must be a multiple of heads = "
                             f"{net.heads} (each head takes width / heads of the state)")
+    control = settings.control
+    if control.max_every < control.every:
+        raise SettingsError(f"[control] max_every = {control.max_every} must be at least "
+                            f"every = {control.every} (the probe interval grows from every "
+                            "to max_every)")
     if kind == "vit":
         size = IMAGE_SHAPES[name][-1]
         if size % net.patch:
@@ -334,6 +357,7 @@ RESUMABLE = {
     "data": {"root", "download"},
     "training": {"epochs", "lr", "momentum", "weight_decay"},
     "output": {f.name for f in fields(OutputSettings)},
+    "control": {f.name for f in fields(ControlSettings)},
     "forward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},
     "backward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},
 }

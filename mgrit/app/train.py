@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..nn import LayerParallel, draws, serial_resnet
+from ..nn import Controller, LayerParallel, draws, serial_resnet
 from ..nn.blocks import ResNetSpec, conv_step, dense_step, gpt, vit
 from ..nn.checkpoint import FailedElsewhere
 from . import data as datasets
@@ -63,6 +63,19 @@ def network_for(settings: Settings, split: datasets.Split) -> ResNetSpec:
                             _ACTIVATIONS[net.activation]())
     return ResNetSpec(opening, dense_step(net.width, _ACTIVATIONS[net.activation]),
                           nn.Linear(net.width, split.classes), net.steps, net.t_final)
+
+
+def probe_record(epoch: int, step: int, control: dict[str, Any]) -> dict[str, Any]:
+    """The metrics record of a probed step: the setting, the training gradient's error and
+    cosine against the exact one (overall and per group), what other settings were measured
+    and the decision; "seconds" is what the probe took on rank 0."""
+    probe = control["probe"]
+    record = {"type": "probe", "epoch": epoch, "step": step, "setting": control["setting"],
+              "error": probe["error"], "cosine": probe["cosine"], "groups": probe["groups"],
+              "candidates": probe["candidates"], "seconds": probe["seconds"]}
+    if "decision" in probe:
+        record["decision"] = probe["decision"]
+    return record
 
 
 def is_language_model(settings: Settings) -> bool:
@@ -172,6 +185,11 @@ class Run:
             except (ValueError, TypeError) as err:
                 # its checks see the same settings on every rank (or agree across them)
                 raise SettingsError(str(err)) from None
+        self.controller: Controller | None = None
+        c = settings.control
+        if c.enabled and isinstance(self.model, LayerParallel):
+            self.controller = Controller(self.model, c.threshold, c.every, c.max_every,
+                                         c.max_cycles, c.batching, c.warm)
         self.optimizer = make_optimizer(settings, self.model.parameters())
         self.generator = torch.Generator().manual_seed(t.seed)
         self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
@@ -301,6 +319,10 @@ class Run:
         # the random draws of the next training step (checkpoints of earlier runs, whose
         # networks had none, lack the count)
         self._set_draw_step(int(extra.get("draw_step", 0)))
+        # the controller decides on as it would have (a checkpoint of a run without one, or
+        # of an earlier version, starts it afresh)
+        if self.controller is not None and "control" in extra:
+            self.controller.load_state_dict(extra["control"])
         self.start_epoch = extra["epoch"] + 1
         self._collective(lambda: self._truncate_metrics(extra["epoch"]))
 
@@ -344,6 +366,8 @@ class Run:
         tmp = self.out / f".{name}.tmp"
         extra = {"epoch": epoch, "generator": self.generator.get_state(),
                  "draw_step": self._get_draw_step()}
+        if self.controller is not None:
+            extra["control"] = self.controller.state_dict()
         if isinstance(self.model, LayerParallel):
             self.model.save_checkpoint(tmp, self.optimizer, **extra)
         else:
@@ -390,7 +414,8 @@ class Run:
         """`train_step` on the batch; a serial network with dropout draws under the key of
         this training step (see `keyed_draws`)."""
         if not self.keyed_draws:
-            return train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
+            return train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark,
+                              self.controller)
         with draws(self.settings.training.seed, self.draw_step):
             result = train_step(self.model, self.optimizer, self.loss_fn, xb, yb, mark)
         self.draw_step += 1
@@ -450,6 +475,7 @@ class Run:
         self.model.train()
         start = time.perf_counter()
         losses, right, seen = [], 0, 0
+        gradient_error = None       # measured by the epoch's latest probe
         for step, (xb, yb) in enumerate(batches(self.split.x_train, self.split.y_train,
                                                 t.batch_size, self.generator), 1):
             if step > steps:            # [training] steps_per_epoch
@@ -467,18 +493,34 @@ class Run:
             seen += yb.numel()
             losses.append(value)
             stats = getattr(self.model, "stats", {})
-            record = {"type": "step", "epoch": epoch, "step": (epoch - 1) * steps + step,
+            number = (epoch - 1) * steps + step
+            record = {"type": "step", "epoch": epoch, "step": number,
                       "loss": value, "seconds": seconds,
                       "forward_residuals": stats.get("forward", {}).get("residuals", []),
                       "backward_residuals": stats.get("backward", {}).get("residuals", [])}
+            control = self.controller.last if self.controller is not None else {}
+            if control:
+                record["control"] = {k: control[k] for k in
+                                     ("setting", "forward_cycles", "backward_cycles",
+                                      "levels", "estimate")}
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
+                if "probe" in control:
+                    metrics.write(json.dumps(probe_record(epoch, number, control)) + "\n")
             fields: dict[str, Any] = {"loss": value, "acc": right / max(seen, 1)}
             for kind in ("forward", "backward"):
                 if kind in stats:
                     fields[f"{kind}_cycles"] = stats[kind]["iterations"]
                     residuals = stats[kind]["residuals"]
                     fields[f"{kind}_residual"] = residuals[-1] if residuals else None
+            if "probe" in control:
+                gradient_error = control["probe"]["error"]
+            if control and control["setting"] != self.controller.base.label:
+                # the fwd and bwd pieces show the cycles; the controller's setting (and its
+                # error) once it differs from the configured one
+                fields["setting"] = control["setting"]
+                fields["gradient_error"] = (control["probe"]["error"] if "probe" in control
+                                            else control["estimate"])
             fields["ms_per_step"] = seconds * 1e3
             progress.update(step, fields)
             if s.output.verbose:
@@ -490,11 +532,18 @@ class Run:
                   "train_accuracy": self._mean(right / max(seen, 1)), "test_loss": test_loss,
                   "test_accuracy": test_acc, "seconds": train_seconds,
                   "seconds_per_step": train_seconds / max(len(losses), 1)}
+        if self.controller is not None:
+            # a stalled test loss is one of the controller's signals
+            record["stalled"] = self.controller.validation(test_loss)
+            record["setting"] = self.controller.setting.label
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         closing: dict[str, Any] = {"loss": record["train_loss"], "test_acc": test_acc,
                                    "ms_per_step": record["seconds_per_step"] * 1e3}
+        if self.controller is not None:
+            closing["setting"] = record["setting"]
+            closing["gradient_error"] = gradient_error
         if is_language_model(s):
             # a language model's test loss (nats per character) says more than its
             # next-token accuracy
