@@ -324,6 +324,24 @@ def test_layerwise_model_parallelism_is_serial_plus_two_chains_of_messages():
     assert replay(layerwise_traces(costs, n, 1, train=True), NET).total == serial
 
 
+def test_the_fastest_serial_run_is_one_whose_layers_cost_something():
+    """A serial fit disturbed by a slow phase (negative cost per layer, a huge fixed cost)
+    can extrapolate to the fastest step at the fitted depth; it is passed over."""
+    from benchmarks.scaling.serial import fastest_serial
+
+    def run(per_layer, fixed):
+        phase = {"per_layer": per_layer, "fixed": fixed}
+        return {"depths": [8, 16], "forward": phase, "backward": phase, "update": phase,
+                "inference": phase, "state_bytes": 64}
+    sound, disturbed = run(0.003, 0.01), run(-0.05, 0.85)
+    assert serial_seconds(disturbed, 16, ("forward", "backward", "update")) < serial_seconds(
+        sound, 16, ("forward", "backward", "update"))
+    assert fastest_serial([disturbed, sound], 16) is sound
+    faster = run(0.002, 0.01)
+    assert fastest_serial([sound, faster, disturbed], 16) is faster
+    assert fastest_serial([disturbed], 16) is disturbed     # nothing better to take
+
+
 def test_virtual_points_run_in_rounds_and_keep_the_fastest(monkeypatch):
     """Every point's fresh processes are spread over rounds (one per point per round), so
     a slow phase of the machine cannot take all of one point's; the fastest counts."""

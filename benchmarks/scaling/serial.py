@@ -102,6 +102,11 @@ def layerwise_traces(costs: dict[str, Any], num_steps: int, ranks: int, train: b
 
 def fastest_serial(runs: list[dict[str, Any]], num_steps: int) -> dict[str, Any]:
     """Of several `serial_costs` runs, the one with the fastest training step at
-    `num_steps` layers."""
-    return min(runs, key=lambda c: serial_seconds(c, num_steps, ("forward", "backward",
-                                                                 "update")))
+    `num_steps` layers. A run whose fit has a layer costing less than nothing was disturbed
+    between its two depths (a slow phase of the machine at the shallower one): its line
+    through them is no cost model, and extrapolated it can even look fastest, so such runs
+    are left out while any other is there."""
+    phases = ("forward", "backward", "update", "inference")
+    sound = [c for c in runs if all(c[k]["per_layer"] >= 0 for k in phases)]
+    return min(sound or runs, key=lambda c: serial_seconds(c, num_steps, ("forward", "backward",
+                                                                          "update")))
