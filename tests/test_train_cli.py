@@ -1,7 +1,6 @@
 """`mgrit train` and `mgrit compare` end to end, settings, data sets and failure modes."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,26 +13,11 @@ from mgrit.app import data
 from mgrit.app.replay import Interconnect, load_traces, replay, step_spans
 from mgrit.app.settings import SettingsError, load, parse_override
 
-from conftest import mpiexec_path
+from runs import mgrit, records
 
 TINY = ["--epochs", "2", "--steps", "8", "--width", "8", "--no-progress",
         "--set", "forward.levels=2", "--set", "backward.levels=2",
         "--set", "forward.relax=\"F\"", "--set", "backward.relax=\"F\""]
-
-
-def mgrit(*args, ranks=1, check=True, timeout=300):
-    prefix = ([str(mpiexec_path()), "-n", str(ranks), sys.executable, "-m", "mpi4py"]
-              if ranks > 1 else [sys.executable])
-    proc = subprocess.run(prefix + ["-m", "mgrit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if check and proc.returncode != 0:
-        raise AssertionError(f"mgrit {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def records(folder):
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line]
 
 
 # settings ---------------------------------------------------------------------------------

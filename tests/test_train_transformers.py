@@ -4,9 +4,6 @@ the settings that do not go together."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,8 @@ from mgrit.app import data
 from mgrit.app.loop import sequence_cross_entropy
 from mgrit.app.settings import SettingsError, check, load, parse_override
 
-from conftest import mpiexec_path
+import runs
+from runs import records
 
 # tiny networks and epochs of 3 steps: each run takes seconds
 SMALL = ["--steps", "4", "--width", "8", "--set", "network.heads=2", "--batch-size", "8",
@@ -29,19 +27,9 @@ VIT = [*SMALL, "--dataset", "digits", "--network", "vit", "--set", "network.drop
        "--epochs", "1"]
 
 
-def mgrit(*args, ranks=1, check=True, timeout=120):
-    prefix = ([str(mpiexec_path()), "-n", str(ranks), sys.executable, "-m", "mpi4py"]
-              if ranks > 1 else [sys.executable])
-    proc = subprocess.run(prefix + ["-m", "mgrit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if check and proc.returncode != 0:
-        raise AssertionError(f"mgrit {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def records(folder):
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line]
+def mgrit(*args, timeout=120, **options):
+    """`runs.mgrit`, with this file's shorter limit: its runs are tiny."""
+    return runs.mgrit(*args, timeout=timeout, **options)
 
 
 def untimed(recs):
