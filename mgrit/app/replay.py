@@ -42,6 +42,8 @@ class Prediction:
     marks:     for each mark label, the latest time a rank reached it
     critical:  the critical path split into compute and communication seconds and its
                number of message hops
+    path:      with `replay(..., keep_path=True)`, the compute events on the critical path
+               in order, as (rank, event index); None otherwise
     """
 
     total: float
@@ -49,6 +51,7 @@ class Prediction:
     busy: list[float]
     marks: dict[str, float]
     critical: dict[str, float] = field(default_factory=dict)
+    path: list[tuple[int, int]] | None = None
 
     @property
     def idle(self) -> list[float]:
@@ -60,24 +63,26 @@ class ReplayError(RuntimeError):
 
 
 # a path is (compute seconds, communication seconds, hops) along the chain of events
-# that determined a rank's clock
-_Path = tuple[float, float, int]
+# that determined a rank's clock; with keep_path, a fourth entry is the chain's last compute
+# event as a node (previous node, rank, event index), shared by the chains that branch from it
+_Path = tuple
 
 
-def replay(traces: list[list[Event]], network: Interconnect, compute_scale: float = 1.0
-           ) -> Prediction:
+def replay(traces: list[list[Event]], network: Interconnect, compute_scale: float = 1.0,
+           keep_path: bool = False) -> Prediction:
     """Discrete-event replay of every rank's trace, each rank on a core of its own.
 
     Compute spans advance the rank's clock (times `compute_scale`), a send costs the
     sender `network.overhead`, a wait sets the clock to max(clock, arrival), a collective
     ends for all its participants ceil(log2 P) hops after the last arrives (a broadcast:
     after its root arrives; the root goes on at once). Raises `ReplayError` when the
-    traces cannot all complete.
+    traces cannot all complete. `keep_path` also gives the critical path's compute events
+    (`Prediction.path`), at the price of one small tuple per compute event.
     """
     size = len(traces)
     clock = [0.0] * size
     busy = [0.0] * size
-    path: list[_Path] = [(0.0, 0.0, 0)] * size
+    path: list[_Path] = [(0.0, 0.0, 0, None) if keep_path else (0.0, 0.0, 0)] * size
     pos = [0] * size
     marks: dict[str, float] = {}
     arrivals: dict[tuple, tuple[float, _Path]] = {}
@@ -106,7 +111,7 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
         for q in done:
             if not (op == "bcast" and q == root) and end >= clock[q]:
                 clock[q] = end
-                path[q] = (via[0], via[1] + end - t, via[2] + hops)
+                path[q] = (via[0], via[1] + end - t, via[2] + hops, *via[3:])
             if q != r:
                 pos[q] += 1
                 ready.append(q)
@@ -124,7 +129,11 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
                 span = event[1] * compute_scale
                 clock[r] += span
                 busy[r] += span
-                path[r] = (path[r][0] + span, path[r][1], path[r][2])
+                if keep_path:
+                    compute, communication, hops, node = path[r]
+                    path[r] = (compute + span, communication, hops, (node, r, pos[r]))
+                else:
+                    path[r] = (path[r][0] + span, path[r][1], path[r][2])
             elif kind == "send":
                 _, dest, nbytes, channel, seq = event
                 key = (r, dest, channel, seq)
@@ -132,10 +141,17 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
                     raise ReplayError(f"rank {r} sends message {key} twice")
                 clock[r] += network.overhead
                 busy[r] += network.overhead
-                compute, communication, hops = path[r]
-                path[r] = (compute, communication + network.overhead, hops)
                 flight = network.hop(nbytes)
-                arrivals[key] = (clock[r] + flight, (compute, path[r][1] + flight, hops + 1))
+                if keep_path:
+                    compute, communication, hops, node = path[r]
+                    path[r] = (compute, communication + network.overhead, hops, node)
+                    arrivals[key] = (clock[r] + flight,
+                                     (compute, path[r][1] + flight, hops + 1, node))
+                else:
+                    compute, communication, hops = path[r]
+                    path[r] = (compute, communication + network.overhead, hops)
+                    arrivals[key] = (clock[r] + flight,
+                                     (compute, path[r][1] + flight, hops + 1))
                 if key in blocked:
                     ready.append(blocked.pop(key))
             elif kind == "wait":
@@ -161,12 +177,19 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
         raise ReplayError(f"{len(stuck)} ranks cannot go on ({shown}): a wait whose message "
                           "is never sent, or ranks waiting for each other")
     if not size:
-        return Prediction(0.0, [], [], {}, {})
+        return Prediction(0.0, [], [], {}, {}, [] if keep_path else None)
     total = max(clock)
-    compute, communication, hops = path[clock.index(total)]
+    compute, communication, hops, *node = path[clock.index(total)]
+    spans = None
+    if keep_path:
+        spans, last = [], node[0]
+        while last is not None:
+            last, r, index = last
+            spans.append((r, index))
+        spans.reverse()
     return Prediction(total=total, finish=clock, busy=busy, marks=marks,
                       critical={"compute": compute, "communication": communication,
-                                "hops": hops})
+                                "hops": hops}, path=spans)
 
 
 def step_spans(pred: Prediction, prefix: str = "step") -> list[float]:
