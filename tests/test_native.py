@@ -221,7 +221,7 @@ def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     assert torch.equal(chain._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
     assert choice._NATIVE_CHOICE == {}          # nothing was timed
     monkeypatch.setenv("MGRIT_NATIVE", "fast")
-    with pytest.raises(ValueError, match="MGRIT_NATIVE='fast': expected one of auto, torch"):
+    with pytest.raises(ValueError, match="expected one of auto, kernels, torch"):
         choice.native_backend()
     monkeypatch.delenv("MGRIT_NATIVE")
     torch.use_deterministic_algorithms(True)
@@ -466,13 +466,14 @@ def _count_native(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
 def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeypatch):
     """An inexact solve (two levels, one backward cycle: single steps, batches, the
     adjoint's recorded gradients) of a dense tanh network, float64: output and gradients
     with the native kernels equal those of torch's kernels to rounding; the native kernels
     ran for single and batched forward steps, single adjoint steps and adjoint batches, and
-    only where MGRIT_NATIVE allows them."""
+    only where MGRIT_NATIVE allows them ("kernels": step by step, the twin of the compiled
+    phases that tests/test_compiled.py checks)."""
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     results = {}
@@ -485,7 +486,7 @@ def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeyp
         results[mode] = [out.detach()] + [p.grad for p in model.parameters()]
         monkeypatch.undo()
     assert relative(list(zip(results[backend], results["torch"]))) <= 1e-12
-    if backend == "auto":
+    if backend == "kernels":
         assert {"step", "step_batch", "vjp", "vjp_single"} <= set(calls)
     else:
         assert calls == []

@@ -17,7 +17,7 @@ from .config import Config
 from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
 from .propagator import Capabilities, Propagator
-from .relax import c_relax, f_relax, propagate_to_c_points, sweep
+from .relax import c_relax, f_relax, phi_at, propagate_to_c_points, sweep
 
 
 class DivergenceError(RuntimeError):
@@ -219,8 +219,7 @@ class Solver:
             j0 = first_c // m
             if j0 == coarse.first:
                 coarse.wait_v_ghost()
-            prev = coarse.v[coarse.rows(j0 - 1, 1, count)]
-            phi_coarse = self.executor.advance(prev, coarse.batch(j0 - 1, 1, count))
+            phi_coarse = phi_at(coarse, self.executor, coarse.v, j0 - 1, 1, count)
             crows = coarse.rows(j0, 1, count)
             coarse.g[crows] = (residual + coarse.v[crows]) - phi_coarse
         coarse.wait_v_ghost()

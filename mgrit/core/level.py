@@ -13,12 +13,20 @@ after a C-phase (C-relaxation, correction, injection) when it is a C-point.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Hashable
+
 import torch
 from torch import Tensor
 
 from ..comm import Comm, Request
 from .grid import LocalLevel
 from .propagator import Step, StepBatch, make_step
+
+if TYPE_CHECKING:
+    from ..execute import Executor
+
+# what a compiled phase is built from: its steps, per step (u, out, g), how many independent
+PhaseSteps = tuple[list[Step], list[tuple[Tensor, Tensor, "Tensor | None"]], int]
 
 _U_TAG, _V_TAG = 0, 1
 
@@ -50,6 +58,9 @@ class Level:
         self._rows: tuple[list[Tensor], list[Tensor] | None] | None = None
         self._last_row = self.u[-1] if self.count else None    # what `changed` sends on
         self._steps: dict[int, Step] = {}
+        # compiled relaxation phases by name, with the propagator key they were built for
+        self._programs: dict[Hashable, tuple[Hashable, Callable[[], None] | None]] = {}
+        self._buffers: dict[Hashable, Tensor] = {}    # outputs of compiled phases
         # which phase moves the boundary points, fixed by the grid: asked at every phase
         self._ghost_after_c = self.grid.is_c_point(self.first - 1)
         self._last_after_c = self.grid.is_c_point(self.last)
@@ -82,6 +93,36 @@ class Level:
 
     def batch(self, start: int, stride: int, count: int) -> StepBatch:
         return StepBatch(self.index, start, stride, count, self.grid.stride, self.t0, self.h)
+
+    def program(self, name: Hashable, executor: "Executor", parallel: int,
+                build: Callable[[], PhaseSteps]) -> Callable[[], None] | None:
+        """Phase `name` of this level, `parallel` of whose steps are independent, as one
+        compiled call of the propagator (`CompiledPropagator`), built by `build` at its
+        first use and again when the propagator's key changes; None where the phase runs
+        step by step (no compiled phases, CUDA graphs, another executor, or the propagator
+        declines)."""
+        caps = executor.caps
+        if (caps.program_key is None or caps.step_program is None or not executor.compiles
+                or executor.graphs is not None):
+            return None
+        key = caps.program_key(self.index, parallel)
+        if key is None:
+            return None
+        entry = self._programs.get(name)
+        if entry is None or (entry[0] is not key and entry[0] != key):
+            steps, rows, parallel = build()
+            entry = self._programs[name] = (
+                key, caps.step_program(steps, rows, parallel) if steps else None)
+        return entry[1]
+
+    def buffer(self, name: Hashable, count: int) -> Tensor:
+        """A tensor of `count` states kept for phase `name`'s output (allocated once)."""
+        buf = self._buffers.get(name)
+        if buf is None:
+            shape, dtype, device = self._state
+            buf = self._buffers[name] = torch.empty((count, *shape), dtype=dtype,
+                                                    device=device)
+        return buf
 
     def rows(self, first_j: int, stride: int, count: int) -> slice:
         """Rows of the points first_j, first_j + stride, ... (count of them)."""

@@ -124,12 +124,32 @@ class CapturablePropagator(Protocol):
     def graph_key(self) -> Hashable | None: ...
 
 
+@runtime_checkable
+class CompiledPropagator(Protocol):
+    """`step_program(steps, rows, parallel)` compiles a relaxation phase: the steps
+    out = g + Phi(u) for (u, out, g) in `rows` (g None: none), taken in the order given
+    (a later step may read what an earlier one wrote), as one callable; None where it
+    cannot. `parallel` says how many of the steps are independent of each other.
+    `program_key(level, parallel)` says what a phase of that level with `parallel`
+    independent steps, compiled now, is valid for (the solver compiles a phase again when
+    the key changes), or None where such a phase runs step by step; it is asked before
+    every run of a phase, so it must be cheap. A phase must give the bits its steps give
+    one by one."""
+
+    def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
+                     parallel: int) -> Callable[[], None] | None: ...
+
+    def program_key(self, level: int, parallel: int) -> Hashable | None: ...
+
+
 # optional method -> its argument names (for the check of a method's signature)
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "step_batch": ("states", "steps"),
     "step_into": ("u", "s", "out", "g"),
     "step_batch_into": ("states", "steps", "out", "g"),
     "graph_key": (),
+    "step_program": ("steps", "rows", "parallel"),
+    "program_key": ("level", "parallel"),
 }
 
 
@@ -143,6 +163,8 @@ class Capabilities:
     step_into: Callable[[Tensor, Step, Tensor, Tensor | None], None] | None = None
     step_batch_into: Callable[[Tensor, StepBatch, Tensor, Tensor | None], None] | None = None
     graph_key: Callable[[], Hashable | None] | None = None
+    step_program: Callable[..., Callable[[], None] | None] | None = None
+    program_key: Callable[[int, int], Hashable | None] | None = None
 
     @classmethod
     def of(cls, prop: object) -> "Capabilities":

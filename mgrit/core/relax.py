@@ -9,7 +9,9 @@ rank's last point has arrived; the rank's own last point is sent on before that
 wait, so a run of such ranks does not become a chain.
 
 The parts of a sweep between its messages (the batched sub-steps, a march) go through
-`_sweep`, which an executor with CUDA graphs (Config.cuda_graphs) captures and replays.
+`_sweep`, which an executor with CUDA graphs (Config.cuda_graphs) captures and replays;
+where the propagator compiles phases (`CompiledPropagator`), such a part is instead one
+compiled call of all its steps (`Level.program`), built once per level and phase.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..execute import Executor
-from .level import Level
+from .level import Level, PhaseSteps
 from .propagator import Capabilities
 
 
@@ -47,6 +49,62 @@ def march(level: Level, caps: Capabilities, j_from: int, j_to: int) -> None:
         u[row].copy_(out if g is None else g[row] + out)
 
 
+def _march_steps(level: Level, j_from: int, j_to: int) -> PhaseSteps:
+    """The steps of `march(level, ..., j_from, j_to)`, for a compiled phase."""
+    u, g = level.row_views()
+    steps, rows = [], []
+    for j in range(j_from, j_to + 1):
+        row = j - level.offset
+        steps.append(level.step(j - 1))
+        rows.append((u[row - 1], u[row], None if g is None else g[row]))
+    return steps, rows, 1
+
+
+def _run_march(level: Level, executor: Executor, name: str, j_from: int, j_to: int) -> None:
+    """`march` as one compiled phase where the propagator has one, else step by step."""
+    program = level.program(name, executor, 1, lambda: _march_steps(level, j_from, j_to))
+    if program is not None:
+        program()
+    else:
+        _sweep(executor, level, name, lambda: march(level, executor.caps, j_from, j_to))
+
+
+def _interval_steps(level: Level, first_c: int) -> PhaseSteps:
+    """The steps of F-relaxation over the intervals that begin at the rank's C-points from
+    first_c, interval by interval (each one's steps in order)."""
+    u, g = level.row_views()
+    m = level.grid.coarsening
+    steps, rows, intervals = [], [], 0
+    for c in range(first_c, level.last + 1, m):
+        intervals += 1
+        for j in range(c + 1, min(c + m - 1, level.last) + 1):
+            row = j - level.offset
+            steps.append(level.step(j - 1))
+            rows.append((u[row - 1], u[row], None if g is None else g[row]))
+    return steps, rows, intervals
+
+
+def phi_at(level: Level, executor: Executor, src: Tensor, first: int, stride: int,
+           count: int) -> Tensor:
+    """Phi(point j of src) for j = first, first + stride, ... (count of them), src holding
+    the level's points as its rows (u or v): one batched call, or a compiled phase that
+    writes into a buffer of the level (valid until the same phase runs again)."""
+    name = ("phi", src is level.v, first, stride, count)
+
+    def build() -> PhaseSteps:
+        buf = level.buffer(name, count)
+        points = range(first, first + stride * count, stride)
+        return ([level.step(j) for j in points],
+                [(src[level.row(j)], buf[i], None) for i, j in enumerate(points)], count)
+
+    program = level.program(name, executor, count, build)
+    if program is not None:
+        program()
+        return level.buffer(name, count)
+    return executor.advance(src[level.rows(first, stride, count)],
+                            level.batch(first, stride, count))
+
+
 def f_relax(level: Level, executor: Executor) -> None:
     """Propagate every coarse interval from its C-point through its F-points."""
     if level.empty:
@@ -67,24 +125,25 @@ def f_relax(level: Level, executor: Executor) -> None:
                                   None if g is None else g[dst])
 
     if first_c <= level.last:
-        _sweep(executor, level, "f", intervals)
+        program = level.program("f", executor, (level.last - first_c) // m + 1,
+                                lambda: _interval_steps(level, first_c))
+        if program is not None:
+            program()
+        else:
+            _sweep(executor, level, "f", intervals)
     leading = level.first < first_c        # F-points of an interval begun on an earlier rank
     last = min(first_c - 1, level.last)
-
-    def lead() -> None:
-        march(level, executor.caps, level.first, last)
-
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
         # it on before waiting for the ghost, or the ranks would wait for each other in turn
         level.changed(c_phase=False)
         level.wait_ghost()
-        _sweep(executor, level, "f-lead", lead)
+        _run_march(level, executor, "f-lead", level.first, last)
         level.touched()
         return
     if leading:
         level.wait_ghost()
-        _sweep(executor, level, "f-lead", lead)
+        _run_march(level, executor, "f-lead", level.first, last)
     level.changed(c_phase=False)
 
 
@@ -93,9 +152,7 @@ def propagate_to_c_points(level: Level, executor: Executor, first_c: int, count:
     """Phi(u_{c-1}) for the rank's C-points c = first_c, first_c + m, ... (count of them)."""
     if first_c == level.first:
         level.wait_ghost()
-    m = level.grid.coarsening
-    src = level.u[level.rows(first_c - 1, m, count)]
-    return executor.advance(src, level.batch(first_c - 1, m, count))
+    return phi_at(level, executor, level.u, first_c - 1, level.grid.coarsening, count)
 
 
 def c_relax(level: Level, executor: Executor, weight: float) -> None:
@@ -104,7 +161,13 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
         return
     level.post_ghost(c_phase=True)
     first_c, count = level.c_points()
-    if count:
+    program = (level.program("c", executor, count, lambda: _c_steps(level, first_c, count))
+               if count and weight == 1.0 else None)
+    if program is not None:
+        if first_c == level.first:
+            level.wait_ghost()
+        program()
+    elif count:
         new = propagate_to_c_points(level, executor, first_c, count)
         rows = level.rows(first_c, level.grid.coarsening, count)
         if weight == 1.0 and level.g is not None:
@@ -118,6 +181,18 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
     level.changed(c_phase=True)
 
 
+def _c_steps(level: Level, first_c: int, count: int) -> PhaseSteps:
+    """The steps of C-relaxation (weight 1) at the rank's C-points from first_c."""
+    u, g = level.row_views()
+    m = level.grid.coarsening
+    steps, rows = [], []
+    for c in range(first_c, first_c + m * count, m):
+        row = c - level.offset
+        steps.append(level.step(c - 1))
+        rows.append((u[row - 1], u[row], None if g is None else g[row]))
+    return steps, rows, count
+
+
 def sweep(level: Level, executor: Executor) -> None:
     """Solve the coarsest level: one march over all points, rank after rank."""
     if level.empty:
@@ -125,6 +200,5 @@ def sweep(level: Level, executor: Executor) -> None:
     level.post_ghost(c_phase=False)
     if level.first > 0:
         level.wait_ghost()
-    _sweep(executor, level, "sweep",
-           lambda: march(level, executor.caps, max(level.first, 1), level.last))
+    _run_march(level, executor, "sweep", max(level.first, 1), level.last)
     level.changed(c_phase=False)

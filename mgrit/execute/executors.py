@@ -19,6 +19,7 @@ class Executor(Protocol):
 
     caps: Capabilities
     graphs: "SweepGraphs | None"     # where relaxation sweeps may be captured (cuda_graphs)
+    compiles: bool                   # whether relaxation phases may run as compiled calls
 
     def advance(self, states: Tensor, steps: StepBatch) -> Tensor:
         """Return the stacked states after steps[i] applied to states[i]."""
@@ -51,6 +52,7 @@ class LoopExecutor:
     """One `step` call per interval: the reference path."""
 
     name = "loop"
+    compiles = False
 
     def __init__(self, caps: Capabilities) -> None:
         self.caps = caps
@@ -73,6 +75,7 @@ class BatchedExecutor:
     step's work is what a rank holding one interval of a coarse level would pay."""
 
     name = "batched"
+    compiles = True      # a propagator's compiled phases replace its batched calls
 
     def __init__(self, caps: Capabilities) -> None:
         if caps.step_batch is None:

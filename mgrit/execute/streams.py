@@ -17,6 +17,7 @@ class StreamExecutor:
     this is the loop executor."""
 
     name = "streams"
+    compiles = False
     graphs = None
 
     def __init__(self, caps: Capabilities, groups: int = 4) -> None:

@@ -15,19 +15,27 @@ from . import native
 # (operation, dtype, torch's thread count, operand shapes) -> whether the native kernel
 # computes it
 _NATIVE_CHOICE: dict[tuple, bool] = {}
-NATIVE_BACKENDS = ("auto", "torch")
+NATIVE_BACKENDS = ("auto", "kernels", "torch")
 
 
 def native_backend() -> str:
     """Whether the layer kernels may use mgrit's native CPU kernels (mgrit.kernels.native), from
     the environment variable MGRIT_NATIVE: "auto" (the default: native convolutions where
-    they are measured faster, native dense tanh steps for narrow layers) or "torch" (torch's
-    kernels only). torch.use_deterministic_algorithms(True) means "torch": a choice made
+    they are measured faster, native dense tanh steps for narrow layers, and relaxation
+    phases of such steps compiled into one native call each), "kernels" (the same kernels,
+    called step by step or batch by batch from Python: the twin that the compiled phases
+    are tested against) or "torch" (torch's kernels only). torch.use_deterministic_algorithms(True) means "torch": a choice made
     by timing can differ between runs, and torch's results are what a serial run computes."""
     name = os.environ.get("MGRIT_NATIVE", "auto")
     if name not in NATIVE_BACKENDS:
         raise ValueError(f"MGRIT_NATIVE={name!r}: expected one of {', '.join(NATIVE_BACKENDS)}")
     return "torch" if torch.are_deterministic_algorithms_enabled() else name
+
+
+def compiled_phases() -> bool:
+    """Whether relaxation phases of native dense steps run as one compiled call each
+    (MGRIT_NATIVE "auto") rather than step by step ("kernels", "torch")."""
+    return native_backend() == "auto"
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import ctypes
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,6 +41,10 @@ class NativeDense:
         self._vjp = getattr(lib, f"mgrit_dense_tanh_vjp_{suffix}")
         self._step_one = getattr(lib, f"mgrit_dense_tanh_one_{suffix}")
         self._vjp_one = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
+        self._programs = (getattr(lib, f"mgrit_dense_tanh_program_{suffix}"),
+                          getattr(lib, f"mgrit_dense_tanh_vjp_program_{suffix}"))
+        self._real = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
+        self.dtype = dtype
         self.width = width
 
     def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
@@ -99,3 +104,50 @@ class NativeDense:
         self._vjp_one(w.data_ptr(), a.data_ptr(), y.data_ptr(),
                       None if g is None else g.data_ptr(), out.data_ptr(), dt, a.numel() // d, d)
         return True
+
+    def program(self, operands: Sequence[tuple[Tensor | None, ...]], dt: float, adjoint: bool
+                ) -> "DenseProgram | None":
+        """Steps run in the order given by one C call: per step (u, w, b, g, out) (`step`),
+        or with `adjoint` (w, a, y, g, out) (`vjp_single`); g may be None. None where an
+        operand's dtype, size or layout does not suit the kernels (the caller then takes the
+        steps one by one)."""
+        d = self.width
+        if not operands or operands[0][4] is None:
+            return None
+        rows = operands[0][4].numel() // d
+        sizes = ((d * d, rows * d, rows * d, rows * d, rows * d) if adjoint else
+                 (rows * d, d * d, d, rows * d, rows * d))
+        addresses = []
+        for step in operands:
+            for i, (t, size) in enumerate(zip(step, sizes)):
+                if t is None:
+                    if i != 3:      # only g may be left out
+                        return None
+                    addresses.append(0)
+                    continue
+                if (t.dtype != self.dtype or t.device.type != "cpu" or t.numel() != size
+                        or not t.is_contiguous()):
+                    return None
+                addresses.append(t.data_ptr())
+        ops = torch.tensor(addresses, dtype=torch.int64)
+        kernel = self._programs[1 if adjoint else 0]
+        return DenseProgram(kernel, ops, len(operands), self._real(dt), rows, d, operands)
+
+
+class DenseProgram:
+    """A compiled relaxation phase: `count` dense tanh steps (or adjoint steps) in one C
+    call. It keeps its operands alive: the call reads them by address."""
+
+    __slots__ = ("_call", "_args", "_operands", "count")
+
+    def __init__(self, kernel: Callable[..., int], ops: Tensor, count: int, dt: object,
+                 rows: int, d: int, operands: Sequence[tuple[Tensor | None, ...]]) -> None:
+        self._call = kernel
+        # converted once: ctypes would convert every argument again at each call
+        self._args = (ctypes.c_void_p(ops.data_ptr()), ctypes.c_int64(count), dt,
+                      ctypes.c_int64(rows), ctypes.c_int64(d))
+        self._operands = (ops, operands)
+        self.count = count
+
+    def __call__(self) -> None:
+        self._call(*self._args)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from . import native
 from .chain import Chain, _Activation, _Linear
-from .dense import DENSE_NATIVE_MAX_BATCH, DENSE_NATIVE_MAX_VALUES, NativeDense
+from .dense import DENSE_NATIVE_MAX_BATCH, DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense
 
 Tensors = dict[str, Tensor]
 Kept = tuple[list, int]
@@ -152,12 +152,25 @@ class NativeDenseSteps(ChainSteps):
         super().__init__(chain)
         self.kernels = kernels
         self.weight, self.bias = _dense_names(chain)
+        self._kept_outputs: dict[tuple, list] = {}
+
+    def _kept(self, key: tuple, like: Tensor, single: bool) -> list:
+        """The tensors that kept op outputs of `key` (a layer, or a batch of layers) are
+        written into, the same in every pass: the adjoint's compiled phases read them by
+        address, and need not be compiled again while they stay."""
+        kept = self._kept_outputs.get(key)
+        if kept is None or kept[2] != like.shape:
+            y = torch.empty_like(like)
+            kept = self._kept_outputs[key] = ([[y], [y]] if single else [y, y]) + [like.shape]
+        return kept
 
     def step_into(self, layer: int, t: Tensors, u: Tensor, dt: float, out: Tensor,
                   g: Tensor | None, keep: bool) -> Kept | None:
-        y = torch.empty_like(u) if keep else None
+        kept = self._kept(("one", layer), u, True) if keep else None
+        y = None if kept is None else kept[1][0]
         if self.kernels.step(u, t[self.weight], t[self.bias], dt, out, g, y):
-            return None if y is None else ([[y], [y]], 0)    # the adjoint reads the tanh alone
+            # the adjoint reads the tanh alone
+            return None if kept is None else (kept[:2], 0)
         return super().step_into(layer, t, u, dt, out, g, keep)
 
     def batch(self, t: Tensors, states: Tensor, dt: float) -> Tensor:
@@ -170,10 +183,36 @@ class NativeDenseSteps(ChainSteps):
     def batch_into(self, t: Tensors, states: Tensor, dt: float, out: Tensor, g: Tensor | None,
                    keep: bool) -> list | None:
         if states.numel() <= DENSE_NATIVE_MAX_BATCH:
-            y = torch.empty_like(states) if keep else None
-            if self.kernels.step_batch(states, t[self.weight], t[self.bias], dt, out, g, y):
-                return None if y is None else [y, y]
+            weight = t[self.weight]
+            kept = (self._kept(("batch", weight.data_ptr(), weight.stride(0), len(states)),
+                               states, False) if keep else None)
+            y = None if kept is None else kept[1]
+            if self.kernels.step_batch(states, weight, t[self.bias], dt, out, g, y):
+                return None if kept is None else kept[:2]
         return super().batch_into(t, states, dt, out, g, keep)
+
+    @staticmethod
+    def program_parallel(values: int) -> int:
+        """The most independent steps of states of `values` values that a compiled phase
+        takes: what a batched call would take at once, which past DENSE_NATIVE_MAX_BATCH
+        values goes to torch (`batch_into`); so does such a phase, which then keeps torch's
+        vectorised tanh and its few calls for many steps."""
+        return max(1, DENSE_NATIVE_MAX_BATCH // max(values, 1))
+
+    def program(self, tensors: list[Tensors], rows: list[tuple[Tensor, Tensor, Tensor | None]],
+                dt: float) -> DenseProgram | None:
+        """The steps out = g + u + dt f(u) for (u, out, g) in `rows`, layer `tensors[i]`,
+        in order, as one native call (None where the kernels do not suit)."""
+        return self.kernels.program([(u, t[self.weight], t[self.bias], g, out)
+                                     for t, (u, out, g) in zip(tensors, rows)], dt, False)
+
+    def vjp_program(self, tensors: list[Tensors], ys: list[Tensor],
+                    rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float
+                    ) -> DenseProgram | None:
+        """The adjoint steps out = g + w + dt (df/du)^T w for (w, out, g) in `rows`, with
+        the tanh `ys[i]` the forward step kept, in order, as one native call."""
+        return self.kernels.program([(t[self.weight], w, y, g, out)
+                                     for t, y, (w, out, g) in zip(tensors, ys, rows)], dt, True)
 
     def single_values(self, layer: int, t: Tensors, u: Tensor) -> Kept:
         y = torch.empty_like(u)

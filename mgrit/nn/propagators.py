@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from typing import Callable, Hashable
+
 from ..core.propagator import Step, StepBatch
 from ..execute import write_result
+from ..kernels.choice import compiled_phases
 from ..kernels.steps import Kept, Tensors
 from .stack import LayerStack
 from .steps import StepSelection
@@ -42,6 +45,16 @@ def _is_nonzero(x: Tensor) -> bool:
     return _nonzero_rows(x[None])[0]
 
 
+def _program_key(kernels: object, method: str, stack: LayerStack, values: int
+                 ) -> tuple[Hashable | None, int]:
+    """(key, most independent steps) of a solve's compiled phases: the parameters' storage
+    and the strategy, where compiled phases may run (`compiled_phases`) and the strategy
+    has them (`method`); (None, 0) otherwise."""
+    if not (compiled_phases() and hasattr(kernels, method)):
+        return None, 0
+    return (stack.storage_key(), id(kernels)), kernels.program_parallel(values)
+
+
 class NetworkPropagator:
     """Phi(u) = u + dt * f(u; theta_n): the forward steps of the residual network for
     states like `like`. Coarse steps use the layer where they start.
@@ -60,12 +73,34 @@ class NetworkPropagator:
             {} if keep_outputs and self.kernels.keeps_values else None)
         self._keeping = False
         self._random = False
+        self._values = like.numel()
+        self._program_key: Hashable | None = None
+        self._max_parallel = 0
 
     def begin(self) -> None:
         """A new solve: the step strategy for it (whether native kernels may run is read
         here, once), and whether its steps draw random numbers (keyed per layer)."""
         self.kernels = self._selection.current()
         self._random = self.stack.random
+        self._program_key, self._max_parallel = _program_key(self.kernels, "program",
+                                                             self.stack, self._values)
+
+    def program_key(self, level: int, parallel: int) -> Hashable | None:
+        """What the solver's compiled phases of `level` (`step_program`) were built for:
+        the parameters' storage and the strategy of this solve; None where phases run step
+        by step (no native phase kernels, too many independent steps for them, random
+        draws, context inputs, or the final fine sweep keeping op outputs)."""
+        if (parallel > self._max_parallel or self._random or self.stack.context
+                or (self._keeping and level == 0)):
+            return None
+        return self._program_key
+
+    def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
+                     parallel: int) -> Callable[[], None] | None:
+        """out = g + Phi(u) for every (u, out, g) of `rows` with its step, in order, as one
+        compiled call; None where the strategy has none for these operands."""
+        views = self.stack.views
+        return self.kernels.program([views(s.fine_index) for s in steps], rows, steps[0].dt)
 
     def final_sweep(self, active: bool) -> None:
         """The solver's hook around its final fine sweep: keep outputs while it runs."""
@@ -168,6 +203,9 @@ class AdjointPropagator:
         # first use in this backward solve (same form as `outputs`)
         self._computed: dict[int, Kept] = {}
         self._random = False
+        self._values = states[0].numel()
+        self._program_key: Hashable | None = None
+        self._max_parallel = 0
 
     def begin(self) -> None:
         """A new backward solve: new forward states, no gradients yet, the step strategy
@@ -177,6 +215,24 @@ class AdjointPropagator:
         self._computed.clear()
         self.kernels = self._selection.current()
         self._random = self.stack.random
+        self._program_key, self._max_parallel = _program_key(self.kernels, "vjp_program",
+                                                             self.stack, self._values)
+
+    def program_key(self, level: int, parallel: int) -> Hashable | None:
+        """As `NetworkPropagator.program_key`; the final fine sweep, which records
+        parameter cotangents, runs step by step."""
+        if (parallel > self._max_parallel or self._random or self.stack.context
+                or (self.recording and level == 0)):
+            return None
+        return self._program_key
+
+    def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
+                     parallel: int) -> Callable[[], None] | None:
+        """out = g + (adjoint step)(w) for every (w, out, g) of `rows` with its step, in
+        order, as one compiled call from the forward's op outputs; None where the strategy
+        has none for these operands."""
+        phase = _AdjointPhase(self, steps, rows)
+        return phase if phase.program is not None else None
 
     def final_sweep(self, active: bool) -> None:
         """The solver's hook around its final fine sweep: record parameter cotangents."""
@@ -322,3 +378,44 @@ class AdjointPropagator:
             batch = self._gathered[key] = [points.tolist(), us, None]
         tensors = self.stack.rows(first, stride, steps.count)
         return self._vjp(tensors, batch[1], ws, batch[0], steps.level, steps.dt, batch)
+
+
+class _AdjointPhase:
+    """A compiled phase of adjoint steps and the op outputs it reads: those the forward
+    pass kept (or that the backward solve computed), looked up again at every run. The
+    forward's native strategy keeps them in the same tensors pass after pass, so a phase is
+    compiled once; where one is a new tensor, the phase is compiled again before it runs."""
+
+    __slots__ = ("prop", "steps", "rows", "points", "sources", "program")
+
+    def __init__(self, prop: AdjointPropagator, steps: list[Step],
+                 rows: list[tuple[Tensor, Tensor, Tensor | None]]) -> None:
+        self.prop, self.steps, self.rows = prop, steps, rows
+        self.points = [prop._layer_point(s) for s in steps]
+        self.sources: list[tuple[object, int]] = []
+        self.program: Callable[[], None] | None = None
+        self._compile()
+
+    def _compile(self) -> None:
+        prop = self.prop
+        tensors, ys, self.sources = [], [], []
+        for p in self.points:
+            views = prop.stack.views(p)
+            outputs, k = prop._single_kept(p, views)
+            tensors.append(views)
+            ys.append(outputs[1][k])
+            self.sources.append((outputs[1], k))
+        self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt)
+
+    def __call__(self) -> None:
+        kept = self.prop._kept
+        for p, (source, k) in zip(self.points, self.sources):
+            now = kept(p)
+            if now is None or now[0][1] is not source or now[1] != k:
+                self._compile()
+                break
+        if self.program is None:     # the outputs' layout no longer suits the kernels
+            for s, (w, out, g) in zip(self.steps, self.rows):
+                self.prop.step_into(w, s, out, g)
+            return
+        self.program()

@@ -136,6 +136,36 @@ int mgrit_dense_tanh_vjp_one_##SUFFIX(const T *w, const T *a, const T *y, const 
                                       T *out, T h, int64_t rows, int64_t d) {              \
     return mgrit_dense_tanh_vjp_##SUFFIX(w, 0, a, 0, y, 0, g, 0, out, 0, NULL, 0, NULL, 0,  \
                                          NULL, 0, h, 1, rows, d);                          \
+}                                                                                          \
+                                                                                           \
+/* a program: `count` steps run in order in one call, step s taking its operands from      \
+ * ops[5s..5s+4] (addresses; g may be 0): (u, w, b, g, out) for the step, (w, a, y, g,     \
+ * out) for the adjoint. Each step is the one-layer kernel above, so a program gives the    \
+ * same bits as its steps called one by one; a step may read what an earlier one wrote      \
+ * (a sequential march), which is why they run in the order given. */                     \
+int mgrit_dense_tanh_program_##SUFFIX(const int64_t *ops, int64_t count, T h, int64_t rows, \
+                                      int64_t d) {                                         \
+    for (int64_t s = 0; s < count; ++s) {                                                  \
+        const int64_t *o = ops + 5 * s;                                                    \
+        int rc = mgrit_dense_tanh_##SUFFIX((const T *)o[0], 0, (const T *)o[1], 0,         \
+                                           (const T *)o[2], 0, (const T *)o[3], 0,         \
+                                           (T *)o[4], 0, NULL, 0, h, 1, rows, d);          \
+        if (rc) return rc;                                                                 \
+    }                                                                                      \
+    return 0;                                                                              \
+}                                                                                          \
+                                                                                           \
+int mgrit_dense_tanh_vjp_program_##SUFFIX(const int64_t *ops, int64_t count, T h,          \
+                                          int64_t rows, int64_t d) {                       \
+    for (int64_t s = 0; s < count; ++s) {                                                  \
+        const int64_t *o = ops + 5 * s;                                                    \
+        int rc = mgrit_dense_tanh_vjp_##SUFFIX((const T *)o[0], 0, (const T *)o[1], 0,     \
+                                               (const T *)o[2], 0, (const T *)o[3], 0,     \
+                                               (T *)o[4], 0, NULL, 0, NULL, 0, NULL, 0, h, \
+                                               1, rows, d);                                \
+        if (rc) return rc;                                                                 \
+    }                                                                                      \
+    return 0;                                                                              \
 }
 
 DEFINE_DENSE(float, f32, tanhf)

@@ -1,0 +1,178 @@
+"""Compiled relaxation phases (MGRIT_NATIVE=auto) against their twin, the same native
+kernels called step by step from Python (MGRIT_NATIVE=kernels), and against torch's kernels:
+the phase kernels on random operands, and layer-parallel training on random shapes on 1-4
+virtual ranks (forward, adjoint, parameter gradients; float64 and float32)."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+from mgrit.comm.virtual import run_ranks
+from mgrit.kernels import dense, native
+from mgrit.nn import propagators
+
+from test_native import native_kernels, needs_native  # noqa: F401 (the fixture)
+
+
+def _chained(count, rows, d, dtype, seed):
+    """A march's operands: states (count + 1, rows, d), one layer per step (separate
+    tensors, as ghost layers are), g per step."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(count + 1, rows, d, generator=gen, dtype=dtype)
+    ws = [torch.randn(d, d, generator=gen, dtype=dtype) / d ** 0.5 for _ in range(count)]
+    bs = [torch.randn(d, generator=gen, dtype=dtype) for _ in range(count)]
+    g = torch.randn(count + 1, rows, d, generator=gen, dtype=dtype)
+    return u, ws, bs, g
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
+    """A march of random length, width and rows, with and without g, as one compiled call
+    equals the same steps by the one-layer kernel in turn (each step reads the previous
+    one's output), and so does the adjoint's march with kept tanh values, zero cotangents
+    included."""
+    rng = random.Random(seed)
+    count, rows, d = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 40)
+    kernels = dense.NativeDense(dtype, d)
+    u, ws, bs, g = _chained(count, rows, d, dtype, seed)
+    for with_g in (False, True):
+        expected, got = u.clone(), u.clone()
+        for n in range(count):
+            assert kernels.step(expected[n], ws[n], bs[n], 0.3, expected[n + 1],
+                                g[n + 1] if with_g else None)
+        program = kernels.program([(got[n], ws[n], bs[n], g[n + 1] if with_g else None,
+                                    got[n + 1]) for n in range(count)], 0.3, False)
+        program()
+        assert program.count == count
+        assert torch.equal(got, expected)
+        assert not torch.equal(got[1:], u[1:])      # it did write
+
+    ys = torch.tanh(torch.randn(count, rows, d, dtype=dtype))
+    a = torch.randn(count + 1, rows, d, dtype=dtype)
+    a[0] = 0.0                    # a zero cotangent maps to g without reading y
+    ys[0] = float("nan")
+    expected, got = a.clone(), a.clone()
+    for n in range(count):
+        assert kernels.vjp_single(ws[n], expected[n], ys[n], 0.2, expected[n + 1], g[n + 1])
+    program = kernels.program([(ws[n], got[n], ys[n], g[n + 1], got[n + 1])
+                               for n in range(count)], 0.2, True)
+    program()
+    assert torch.equal(got, expected)
+    assert torch.equal(got[1], g[1])
+
+
+@needs_native
+def test_a_phase_declines_operands_the_kernels_cannot_read():
+    """Another dtype, a non-contiguous operand, a wrong size or a missing operand other
+    than g: no program (the solver then takes the steps one by one)."""
+    kernels = dense.NativeDense(torch.float64, 4)
+    u, ws, bs, g = _chained(2, 1, 4, torch.float64, 0)
+    good = [(u[0], ws[0], bs[0], None, u[1]), (u[1], ws[1], bs[1], g[2], u[2])]
+    assert kernels.program(good, 0.1, False) is not None
+    bad = {"dtype": (u[0].float(), ws[0], bs[0], None, u[1]),
+           "layout": (u[0], ws[0].t(), bs[0], None, u[1]),
+           "size": (u[0], ws[0][:2], bs[0], None, u[1]),
+           "missing": (u[0], ws[0], None, None, u[1])}
+    for name, step in bad.items():
+        assert kernels.program([good[0], step], 0.1, False) is None, name
+    assert kernels.program([], 0.1, False) is None
+
+
+def _network(width, layers, seed, dtype, comm, config):
+    torch.manual_seed(seed)
+    model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+                                layers, 1.0, forward=config, backward=config, comm=comm,
+                                opening=nn.Linear(3, width), closing=nn.Linear(width, 2))
+    return model.to(dtype)
+
+
+def _train(mode, ranks, case, dtype, monkeypatch, counts=None):
+    """Outputs and gradients of two training steps of a random dense tanh network on
+    `ranks` virtual ranks with MGRIT_NATIVE=mode, every rank's, in order."""
+    width, batch, layers, levels, m, relax, seed = case
+    monkeypatch.setenv("MGRIT_NATIVE", mode)
+    config = mgrit.Config(levels=levels, coarsening=m, relax=relax, max_iter=2, tol=0.0,
+                          min_coarse=1)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, generator=gen, dtype=dtype)
+    y = torch.randint(0, 2, (batch,), generator=gen)
+
+    def program(comm):
+        model = _network(width, layers, seed, dtype, comm, config)
+        results = []
+        for _ in range(2):
+            out = model(x)
+            nn.functional.cross_entropy(out, y).backward()
+            results += [out.detach()] + [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.5 * p.grad
+                    p.grad = None
+        return results
+
+    return [t for rank in run_ranks(ranks, program) for t in rank]
+
+
+def _random_case(seed):
+    rng = random.Random(seed)
+    levels, m = rng.randint(2, 4), rng.randint(2, 4)
+    relax = tuple(rng.choice(["F", "FCF"]) for _ in range(levels - 1))
+    coarsest = m ** (levels - 1)            # layers for one step on the coarsest level
+    return (rng.randint(2, 24), rng.randint(1, 3), rng.randint(coarsest, 2 * coarsest + 9),
+            levels, m, relax, seed)
+
+
+@needs_native
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_training_with_compiled_phases_equals_its_twin_bit_for_bit(ranks, dtype, monkeypatch):
+    """Two training steps of random dense tanh networks (width, batch, depth, levels,
+    coarsening, relaxation drawn at random) on 1-4 virtual ranks: outputs and every rank's
+    parameter gradients with compiled phases equal those of the same kernels called step by
+    step exactly, and those of torch's kernels to rounding; compiled phases did run, forward
+    and adjoint."""
+    ran = []
+    monkeypatch.setattr(dense.DenseProgram, "__call__",
+                        lambda self, _f=dense.DenseProgram.__call__: ran.append(self) or _f(self))
+    for seed in range(3):
+        case = _random_case(100 * ranks + seed)
+        ran.clear()
+        compiled = _train("auto", ranks, case, dtype, monkeypatch)
+        kinds = {"adjoint" if "vjp" in p._call.__name__ else "forward" for p in ran}
+        stepwise = _train("kernels", ranks, case, dtype, monkeypatch)
+        plain = _train("torch", ranks, case, dtype, monkeypatch)
+        assert len(compiled) == len(stepwise) == len(plain)
+        for got, twin, ref in zip(compiled, stepwise, plain):
+            assert torch.equal(got, twin), case
+            scale = float(ref.abs().max()) or 1.0
+            tol = 1e-12 if dtype == torch.float64 else 2e-5
+            assert float((got - ref).abs().max()) <= tol * scale, case
+        assert ran, case
+        assert kinds == {"forward", "adjoint"}, (case, kinds)
+
+
+@needs_native
+def test_adjoint_phases_compile_again_when_the_forward_outputs_are_new_tensors(monkeypatch):
+    """Where the forward pass keeps its op outputs in the same tensors pass after pass (its
+    native strategy), an adjoint phase is compiled once; where a fine batch is too large for
+    the native kernels, torch's strategy keeps them in new tensors each pass and the phases
+    reading them are compiled again, and the results still equal the twin's exactly."""
+    compiled = []
+    original = propagators._AdjointPhase._compile
+    monkeypatch.setattr(propagators._AdjointPhase, "_compile",
+                        lambda self: compiled.append(self) or original(self))
+    small = (4, 1, 16, 3, 2, ("F", "FCF"), 1)      # 4 values per state: native batches
+    wide = (32, 4, 16, 3, 2, ("F", "FCF"), 1)      # 128 values: fine batches go to torch
+    for case, again in ((small, False), (wide, True)):
+        compiled.clear()
+        got = _train("auto", 1, case, torch.float64, monkeypatch)
+        phases = {id(p) for p in compiled}
+        assert phases
+        assert (len(compiled) > len(phases)) == again, case
+        twin = _train("kernels", 1, case, torch.float64, monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(got, twin))
