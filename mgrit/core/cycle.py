@@ -139,6 +139,7 @@ class Solver:
         self.levels = [Level(local, like, self.comm, t0, h, fas=local.grid.level > 0)
                        for local in local_levels(grids, self.comm.size, self.comm.rank, blocks)]
         self._has_solved = False
+        self._transfers: dict[int, _Transfer] = {}
         self._phi_cache: tuple[int, Tensor] | None = None
         self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
         self._step_checked = False
@@ -198,30 +199,37 @@ class Solver:
                 level.u[0] = u0
 
     # the cycle -----------------------------------------------------------------
+    def _transfer(self, l: int) -> "_Transfer":
+        """The views between levels l and l+1 that restriction and correction read and write
+        (made at their first use: level storage is never reallocated)."""
+        views = self._transfers.get(l)
+        if views is None:
+            views = self._transfers[l] = _Transfer(self.levels[l], self.levels[l + 1])
+        return views
+
     def _restrict(self, l: int) -> None:
         """Inject level l's C-points into level l+1 and form its FAS right-hand side."""
         fine, coarse = self.levels[l], self.levels[l + 1]
         coarse.drain()
         if coarse.empty:
             return
-        m = fine.grid.coarsening
+        views = self._transfer(l)
         coarse.post_v_ghost()
-        coarse.v[1:] = fine.u[fine.rows(coarse.first * m, m, coarse.count)]
+        views.coarse_v.copy_(views.fine_u)
         coarse.publish_v()
-        first_c, count = fine.c_points()
-        if count:
-            phi = self._phi_at_c_points(fine, first_c, count)
-            rows = fine.rows(first_c, m, count)
-            if fine.g is None:
-                residual = phi - fine.u[rows]
+        if views.count:
+            phi = self._phi_at_c_points(fine, views.first_c, views.count)
+            residual = views.residual
+            if views.fine_g_c is None:
+                torch.sub(phi, views.fine_u_c, out=residual)
             else:
-                residual = (fine.g[rows] - fine.u[rows]) + phi
-            j0 = first_c // m
-            if j0 == coarse.first:
+                torch.sub(views.fine_g_c, views.fine_u_c, out=residual)
+                residual.add_(phi)
+            if views.j0 == coarse.first:
                 coarse.wait_v_ghost()
-            phi_coarse = phi_at(coarse, self.executor, coarse.v, j0 - 1, 1, count)
-            crows = coarse.rows(j0, 1, count)
-            coarse.g[crows] = (residual + coarse.v[crows]) - phi_coarse
+            phi_coarse = phi_at(coarse, self.executor, coarse.v, views.j0 - 1, 1, views.count)
+            torch.add(residual, views.coarse_v_c, out=views.coarse_g_c)
+            views.coarse_g_c.sub_(phi_coarse)
         coarse.wait_v_ghost()
         coarse.u.copy_(coarse.v)
 
@@ -232,12 +240,12 @@ class Solver:
             return
         fine.post_ghost(c_phase=True)
         if not coarse.empty:
-            rows = fine.rows(coarse.first * fine.grid.coarsening, fine.grid.coarsening,
-                             coarse.count)
+            views = self._transfer(l)
             if correct:
-                fine.u[rows] += coarse.u[1:] - coarse.v[1:]
+                torch.sub(views.coarse_u, views.coarse_v, out=views.correction)
+                views.fine_u.add_(views.correction)
             else:
-                fine.u[rows] = coarse.u[1:]
+                views.fine_u.copy_(views.coarse_u)
         fine.changed(c_phase=True)
 
     def _final_sweep(self, active: bool) -> None:
@@ -422,6 +430,31 @@ class Solver:
         return Result(residuals=residuals, iterations=len(residuals), converged=converged,
                       final=final, states=fine.u[1:], first_index=fine.first,
                       levels=len(self.levels), initial_residual=initial)
+
+
+class _Transfer:
+    """Views of levels l and l+1 for restriction and correction, and their temporaries:
+    every call would otherwise index the same rows again (a view per index, a tensor per
+    intermediate result), which costs more than the arithmetic on a coarse level's few
+    points. The operations and their order are those of the expressions they replace, so
+    the results are the same to the bit."""
+
+    def __init__(self, fine: Level, coarse: Level) -> None:
+        m = fine.grid.coarsening
+        # the fine level's points that the coarse level's points are, and those
+        self.fine_u = fine.u[fine.rows(coarse.first * m, m, coarse.count)]
+        self.coarse_u, self.coarse_v = coarse.u[1:], coarse.v[1:]
+        self.correction = torch.empty_like(self.coarse_u)
+        # the fine level's own C-points (skipping point 0) and their coarse rows
+        self.first_c, self.count = fine.c_points()
+        self.j0 = self.first_c // m
+        if self.count:
+            rows = fine.rows(self.first_c, m, self.count)
+            self.fine_u_c = fine.u[rows]
+            self.fine_g_c = None if fine.g is None else fine.g[rows]
+            crows = coarse.rows(self.j0, 1, self.count)
+            self.coarse_v_c, self.coarse_g_c = coarse.v[crows], coarse.g[crows]
+            self.residual = torch.empty_like(self.fine_u_c)
 
 
 def solve(prop: Propagator, u0: Tensor, num_steps: int, t0: float, t1: float,
