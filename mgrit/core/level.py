@@ -41,6 +41,7 @@ class Level:
         self.index = local.grid.level
         self.first, self.last = local.first, local.last
         self.count = local.count
+        self.empty = self.count == 0     # asked by every phase: an attribute, not a property
         self.offset = self.first - 1
         self.comm = comm
         self.t0, self.h = t0, h
@@ -62,13 +63,11 @@ class Level:
         self._programs: dict[Hashable, tuple[Hashable, Callable[[], None] | None]] = {}
         self._buffers: dict[Hashable, Tensor] = {}    # outputs of compiled phases
         # which phase moves the boundary points, fixed by the grid: asked at every phase
+        self._tags = (2 * self.index + _U_TAG, 2 * self.index + _V_TAG)
         self._ghost_after_c = self.grid.is_c_point(self.first - 1)
         self._last_after_c = self.grid.is_c_point(self.last)
 
     # index maths -----------------------------------------------------------
-    @property
-    def empty(self) -> bool:
-        return self.count == 0
 
     def row_views(self) -> tuple[list[Tensor], list[Tensor] | None]:
         """One view per row of u and of g (None on level 0), made at the first march of
@@ -140,7 +139,7 @@ class Level:
         return first_c, count
 
     def tag(self, kind: int) -> int:
-        return 2 * self.index + kind
+        return self._tags[kind]
 
     # boundary exchange -----------------------------------------------------
     def post_ghost(self, c_phase: bool) -> None:
@@ -148,7 +147,7 @@ class Level:
         prev = self.local.prev_rank
         if prev is not None and self._ghost_after_c == c_phase:
             self.wait_ghost()
-            self._recvs[_U_TAG] = self.comm.irecv(self.u[0], prev, self.tag(_U_TAG))
+            self._recvs[_U_TAG] = self.comm.irecv(self.u[0], prev, self._tags[_U_TAG])
 
     def wait_ghost(self) -> None:
         req = self._recvs.pop(_U_TAG, None)
@@ -162,7 +161,7 @@ class Level:
     def changed(self, c_phase: bool) -> None:
         """End of a phase that changed u (its C-points or F-points): count a new version and
         send the last point to the next rank if this phase changed it."""
-        self.touched()
+        self.version += 1       # `touched`, inlined: this runs at the end of every phase
         nxt = self.local.next_rank
         if nxt is not None and self._last_after_c == c_phase:
             self._send(_U_TAG, self._last_row, nxt)
@@ -170,7 +169,7 @@ class Level:
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:
             self._recvs[_V_TAG] = self.comm.irecv(self.v[0], self.local.prev_rank,
-                                                  self.tag(_V_TAG))
+                                                  self._tags[_V_TAG])
 
     def wait_v_ghost(self) -> None:
         req = self._recvs.pop(_V_TAG, None)
@@ -190,7 +189,7 @@ class Level:
             shape, dtype, device = self._state
             buf = self._send_buf[kind] = torch.zeros(shape, dtype=dtype, device=device)
         buf.copy_(value)
-        self._sends[kind] = self.comm.isend(buf, dest, self.tag(kind))
+        self._sends[kind] = self.comm.isend(buf, dest, self._tags[kind])
 
     def drain(self) -> None:
         """Complete every message of this level still in flight."""

@@ -83,8 +83,11 @@ class NativeDense:
         0), then dt, the layer count, rows per layer and the width; False, having called
         nothing, where an operand's entries are not contiguous."""
         args: list = []
+        entry_stride = native.entry_stride
         for t in operands:
-            stride = 0 if t is None else native.entry_stride(t)
+            # most operands are contiguous: their stride without a call
+            stride = (0 if t is None else t.stride(0) if t.is_contiguous()
+                      else entry_stride(t))
             if stride is None:
                 return False
             args += (None, 0) if t is None else (t.data_ptr(), stride)

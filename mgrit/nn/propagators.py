@@ -408,9 +408,9 @@ class _AdjointPhase:
         self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt)
 
     def __call__(self) -> None:
-        kept = self.prop._kept
+        outputs, computed = self.prop.outputs or {}, self.prop._computed
         for p, (source, k) in zip(self.points, self.sources):
-            now = kept(p)
+            now = outputs.get(p) or computed.get(p)     # `AdjointPropagator._kept`, inlined
             if now is None or now[0][1] is not source or now[1] != k:
                 self._compile()
                 break
