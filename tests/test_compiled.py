@@ -67,6 +67,30 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
 
 
 @needs_native
+def test_a_phase_reads_an_operand_from_new_tensors_that_suit_it():
+    """`set_operand` points a program's steps at new tensors (the adjoint's kept tanh
+    values of a new pass): the next run reads them; tensors of another size, dtype or
+    layout are refused and the program keeps its old ones."""
+    kernels = dense.NativeDense(torch.float64, 5)
+    u, ws, bs, g = _chained(3, 2, 5, torch.float64, 1)
+    a = torch.randn(4, 2, 5, dtype=torch.float64)
+    ys = [torch.tanh(torch.randn(2, 5, dtype=torch.float64)) for _ in range(3)]
+    got = a.clone()
+    program = kernels.program([(ws[n], got[n], ys[n], None, got[n + 1]) for n in range(3)],
+                              0.2, True)
+    fresh = [torch.tanh(torch.randn(2, 5, dtype=torch.float64)) for _ in range(3)]
+    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2].float()])
+    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2][:1]])
+    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2].t()])
+    assert program.set_operand(2, fresh)
+    program()
+    expected = a.clone()
+    for n in range(3):
+        assert kernels.vjp_single(ws[n], expected[n], fresh[n], 0.2, expected[n + 1])
+    assert torch.equal(got, expected)
+
+
+@needs_native
 def test_a_phase_declines_operands_the_kernels_cannot_read():
     """Another dtype, a non-contiguous operand, a wrong size or a missing operand other
     than g: no program (the solver then takes the steps one by one)."""
@@ -157,22 +181,24 @@ def test_training_with_compiled_phases_equals_its_twin_bit_for_bit(ranks, dtype,
 
 
 @needs_native
-def test_adjoint_phases_compile_again_when_the_forward_outputs_are_new_tensors(monkeypatch):
+def test_adjoint_phases_follow_forward_outputs_that_are_new_tensors(monkeypatch):
     """Where the forward pass keeps its op outputs in the same tensors pass after pass (its
-    native strategy), an adjoint phase is compiled once; where a fine batch is too large for
-    the native kernels, torch's strategy keeps them in new tensors each pass and the phases
-    reading them are compiled again, and the results still equal the twin's exactly."""
-    compiled = []
-    original = propagators._AdjointPhase._compile
-    monkeypatch.setattr(propagators._AdjointPhase, "_compile",
-                        lambda self: compiled.append(self) or original(self))
+    native strategy), an adjoint phase is compiled once and never refreshed; where a fine
+    batch is too large for the native kernels, torch's strategy keeps them in new tensors
+    each pass and the phases reading them take the new addresses before they run (still
+    compiled once each); the results equal the twin's exactly in both cases."""
+    compiled, refreshed = [], []
+    for name, calls in (("_compile", compiled), ("_refresh", refreshed)):
+        original = getattr(propagators._AdjointPhase, name)
+        monkeypatch.setattr(propagators._AdjointPhase, name,
+                            lambda self, _f=original, _c=calls: _c.append(self) or _f(self))
     small = (4, 1, 16, 3, 2, ("F", "FCF"), 1)      # 4 values per state: native batches
     wide = (32, 4, 16, 3, 2, ("F", "FCF"), 1)      # 128 values: fine batches go to torch
     for case, again in ((small, False), (wide, True)):
         compiled.clear()
+        refreshed.clear()
         got = _train("auto", 1, case, torch.float64, monkeypatch)
-        phases = {id(p) for p in compiled}
-        assert phases
-        assert (len(compiled) > len(phases)) == again, case
+        assert compiled and len(compiled) == len({id(p) for p in compiled}), case
+        assert bool(refreshed) == again, case
         twin = _train("kernels", 1, case, torch.float64, monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(got, twin))

@@ -141,7 +141,7 @@ class DenseProgram:
     """A compiled relaxation phase: `count` dense tanh steps (or adjoint steps) in one C
     call. It keeps its operands alive: the call reads them by address."""
 
-    __slots__ = ("_call", "_args", "_operands", "count")
+    __slots__ = ("_call", "_args", "_operands", "count", "_sizes", "_dtype")
 
     def __init__(self, kernel: Callable[..., int], ops: Tensor, count: int, dt: object,
                  rows: int, d: int, operands: Sequence[tuple[Tensor | None, ...]]) -> None:
@@ -149,8 +149,26 @@ class DenseProgram:
         # converted once: ctypes would convert every argument again at each call
         self._args = (ctypes.c_void_p(ops.data_ptr()), ctypes.c_int64(count), dt,
                       ctypes.c_int64(rows), ctypes.c_int64(d))
-        self._operands = (ops, operands)
+        self._operands = [ops, operands]
         self.count = count
+        first = next(t for t in operands[0] if t is not None)
+        self._dtype = first.dtype
+        self._sizes = [[None if t is None else t.numel() for t in step] for step in operands]
+
+    def set_operand(self, index: int, tensors: Sequence[Tensor]) -> bool:
+        """Read operand `index` of every step from `tensors` from now on (one per step,
+        each of the size the program was built with); False, having changed nothing, where
+        one does not suit the kernels."""
+        for t, sizes in zip(tensors, self._sizes):
+            if (t.dtype != self._dtype or t.device.type != "cpu" or t.numel() != sizes[index]
+                    or not t.is_contiguous()):
+                return False
+        ops = self._operands[0]
+        ops.view(self.count, 5)[:, index] = torch.tensor([t.data_ptr() for t in tensors],
+                                                         dtype=torch.int64)
+        self._operands.append(list(tensors))     # their memory must outlive the calls
+        del self._operands[2:-1]
+        return True
 
     def __call__(self) -> None:
         self._call(*self._args)

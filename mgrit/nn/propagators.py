@@ -407,12 +407,25 @@ class _AdjointPhase:
             self.sources.append((outputs[1], k))
         self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt)
 
+    def _refresh(self) -> None:
+        """New kept outputs (torch's strategy, which computes large forward batches, keeps
+        them in new tensors every pass): their addresses go into the program's table, or
+        the phase is compiled again where one does not suit it."""
+        prop = self.prop
+        ys, self.sources = [], []
+        for p in self.points:
+            outputs, k = prop._single_kept(p, prop.stack.views(p))
+            ys.append(outputs[1][k])
+            self.sources.append((outputs[1], k))
+        if self.program is None or not self.program.set_operand(2, ys):
+            self._compile()
+
     def __call__(self) -> None:
         outputs, computed = self.prop.outputs or {}, self.prop._computed
         for p, (source, k) in zip(self.points, self.sources):
             now = outputs.get(p) or computed.get(p)     # `AdjointPropagator._kept`, inlined
             if now is None or now[0][1] is not source or now[1] != k:
-                self._compile()
+                self._refresh()
                 break
         if self.program is None:     # the outputs' layout no longer suits the kernels
             for s, (w, out, g) in zip(self.steps, self.rows):
