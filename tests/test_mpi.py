@@ -34,3 +34,19 @@ def test_settings_that_differ_between_ranks_are_reported_everywhere(mpi, what):
     assert run.returncode != 0
     for rank, report in run.by_rank().items():
         assert report["error"] and "differ between ranks" in report["error"], (rank, report)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_persistent_messages_carry_new_contents_at_every_start(mpi, nprocs):
+    """The boundary values' persistent requests on MPI: started four times round a ring of
+    ranks (float64 and complex64, plain and reversed numbering), every round delivers that
+    round's contents from the right neighbour, and MPI finalizes without naming a request
+    left unfreed."""
+    run = mpi("persistent.py", nprocs, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for rank, got in run.by_rank().items():
+        assert got["persistent"], rank
+        assert len(got["results"]) == 16
+        for received, expected in got["results"]:
+            assert received == expected, rank
+    assert "persistent request" not in run.stderr

@@ -519,3 +519,41 @@ def _trace_records(mpi) -> dict[int, dict]:
         assert run.returncode == 0, run.stderr
         records[ranks] = run.by_rank()[0]["record"]
     return records
+
+
+def test_persistent_messages_are_traced_and_delivered_like_isend_and_irecv():
+    """On a communicator without persistent requests (virtual ranks) a persistent message
+    posts an isend or irecv at every start; through a TracingComm, and through the
+    adjoint's reversed numbering, each start is recorded as that isend or irecv would be
+    (same peers, channels, sequence numbers), and every start delivers its own contents."""
+    from mgrit.comm import ReversedComm, recv_init, send_init
+
+    def program(comm, persistent):
+        tracer = Tracer()
+        traced = TracingComm(comm, tracer)
+        reversed_ = ReversedComm(traced)
+        out, into = torch.zeros(2), torch.zeros(2)
+        peer = 1 - comm.rank
+        received = []
+        tracer.start()
+        for c in (traced, reversed_):
+            if persistent:
+                sending = send_init(c, out, 1 - c.rank, 3)
+                receiving = recv_init(c, into, 1 - c.rank, 3)
+            for k in range(3):
+                out.fill_(10 * comm.rank + k)
+                recv = receiving.start() if persistent else c.irecv(into, 1 - c.rank, 3)
+                send = sending.start() if persistent else c.isend(out, 1 - c.rank, 3)
+                recv.wait()
+                send.wait()
+                received.append(into.tolist())
+        events = [e for e in tracer.stop() if e[0] != "compute"]
+        return received, events, peer
+
+    plain = run_ranks(2, lambda comm: program(comm, False))
+    persistent = run_ranks(2, lambda comm: program(comm, True))
+    for rank in range(2):
+        received, events, peer = persistent[rank]
+        assert received == [[10.0 * peer + k] * 2 for k in range(3)] * 2
+        assert events == plain[rank][1]
+        assert [e[0] for e in events].count("send") == 6

@@ -11,8 +11,49 @@ class Request(Protocol):
     def wait(self) -> None: ...
 
 
+class Persistent(Protocol):
+    """A message posted again and again with the same buffer, peer and tag (the boundary
+    values of a level, every cycle): `start()` posts it and returns what to wait on. On
+    MPI, a persistent request: the buffer and envelope are set up once, not at every send."""
+
+    def start(self) -> Request: ...
+
+
+class _Reposted:
+    """A persistent message on a communicator without them: each start posts it anew."""
+
+    __slots__ = ("post",)
+
+    def __init__(self, post: Any) -> None:
+        self.post = post
+
+    def start(self) -> Request:
+        return self.post()
+
+
+def send_init(comm: "Comm", buf: Tensor, dest: int, tag: int) -> Persistent:
+    """The send of `buf` to dest with tag as a persistent message (`Persistent`): the
+    communicator's own (`Comm.send_init`, optional), else an isend at every start."""
+    own = getattr(comm, "send_init", None)
+    if own is not None:
+        return own(buf, dest, tag)
+    return _Reposted(lambda: comm.isend(buf, dest, tag))
+
+
+def recv_init(comm: "Comm", buf: Tensor, source: int, tag: int) -> Persistent:
+    """The receive into `buf` from source with tag as a persistent message (see
+    `send_init`)."""
+    own = getattr(comm, "recv_init", None)
+    if own is not None:
+        return own(buf, source, tag)
+    return _Reposted(lambda: comm.irecv(buf, source, tag))
+
+
 class Comm(Protocol):
-    """Point-to-point buffer messages of contiguous tensors and a few collectives."""
+    """Point-to-point buffer messages of contiguous tensors and a few collectives.
+    Optional: `send_init(buf, dest, tag)` and `recv_init(buf, source, tag)`, persistent
+    messages (`Persistent`; the module functions of those names fall back to isend and
+    irecv)."""
 
     rank: int
     size: int
@@ -95,6 +136,12 @@ class ReversedComm:
 
     def irecv(self, buf: Tensor, source: int, tag: int) -> Request:
         return self.inner.irecv(buf, self._map(source), tag)
+
+    def send_init(self, buf: Tensor, dest: int, tag: int) -> Persistent:
+        return send_init(self.inner, buf, self._map(dest), tag)
+
+    def recv_init(self, buf: Tensor, source: int, tag: int) -> Persistent:
+        return recv_init(self.inner, buf, self._map(source), tag)
 
     def allreduce_sum(self, value: float) -> float:
         return self.inner.allreduce_sum(value)

@@ -3,14 +3,18 @@ the split of a world into layer-parallel groups times data-parallel replicas."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .base import _Reposted
 
 
 def _as_buffer(t: Tensor) -> np.ndarray:
@@ -35,6 +39,60 @@ class _MPIRequest:
         if self.done is not None:
             self.done()
             self.done = None
+
+
+_FREE_REGISTERED = False
+
+
+def _register_free() -> None:
+    """Run `_free_persistent` at exit, before mpi4py finalizes MPI (exit functions run in
+    the reverse order of registration, and mpi4py registers its own when it is imported,
+    which is before this)."""
+    global _FREE_REGISTERED
+    if not _FREE_REGISTERED:
+        atexit.register(_free_persistent)
+        _FREE_REGISTERED = True
+
+
+class _MPIPersistent:
+    """An MPI persistent request (MPI_Send_init / MPI_Recv_init): the buffer and envelope
+    are set up once; every start posts the message again (mpi4py's Isend would parse the
+    buffer and build a request at every call, several times MPI's own cost of a small
+    message). Freed when dropped, or before MPI is finalized (`_free_persistent`)."""
+
+    __slots__ = ("req", "buf", "__weakref__")
+
+    def __init__(self, req: Any, buf: Any) -> None:
+        self.req = req
+        self.buf = buf    # keeps the memory alive: MPI reads and writes it at every start
+        _PERSISTENT.add(self)
+
+    def start(self) -> "_MPIPersistent":
+        self.req.Start()
+        return self
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+    def free(self) -> None:
+        from mpi4py import MPI
+
+        if self.req and not MPI.Is_finalized():
+            self.req.Wait()       # a started request completes before it is freed
+            self.req.Free()
+
+    def __del__(self) -> None:
+        self.free()
+
+
+_PERSISTENT: "weakref.WeakSet[_MPIPersistent]" = weakref.WeakSet()
+
+
+def _free_persistent() -> None:
+    """Free every persistent request still alive before MPI is finalized (MPICH names each
+    one it finds unfreed at finalization)."""
+    for request in list(_PERSISTENT):
+        request.free()
 
 
 _ABORT_HOOK_INSTALLED = False
@@ -80,6 +138,7 @@ class MPIComm:
         self.cuda_aware = (os.environ.get("MGRIT_CUDA_AWARE_MPI") == "1" if cuda_aware is None
                            else cuda_aware)
         _install_abort_hook()
+        _register_free()
 
     def _device_buffer(self, t: Tensor) -> Any:
         """A CUDA tensor's bytes for a CUDA-aware MPI, once its pending kernels are done."""
@@ -94,6 +153,23 @@ class MPIComm:
             buf = buf.detach().cpu()
         data = _as_buffer(buf)
         return _MPIRequest(self.comm.Isend([data, self._mpi.BYTE], dest=dest, tag=tag), data)
+
+    def send_init(self, buf: Tensor, dest: int, tag: int) -> Any:
+        """A persistent send of `buf` (see `mgrit.comm.base.Persistent`); a CUDA tensor
+        goes through `isend` at every start."""
+        if buf.device.type == "cuda":
+            return _Reposted(lambda: self.isend(buf, dest, tag))
+        data = _as_buffer(buf)
+        return _MPIPersistent(self.comm.Send_init([data, self._mpi.BYTE], dest=dest, tag=tag),
+                              data)
+
+    def recv_init(self, buf: Tensor, source: int, tag: int) -> Any:
+        """A persistent receive into `buf` (see `send_init`)."""
+        if buf.device.type == "cuda":
+            return _Reposted(lambda: self.irecv(buf, source, tag))
+        data = _as_buffer(buf)
+        return _MPIPersistent(self.comm.Recv_init([data, self._mpi.BYTE], source=source,
+                                                  tag=tag), data)
 
     def irecv(self, buf: Tensor, source: int, tag: int) -> _MPIRequest:
         if buf.device.type == "cuda":

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from .base import Comm, Request
+from .base import Comm, Persistent, Request, recv_init, send_init
 
 Event = list
 Clock = Callable[[], float]
@@ -121,6 +121,32 @@ def _nbytes(buf: Tensor) -> int:
     return buf.numel() * buf.element_size()
 
 
+class _TracedPersistent:
+    """A persistent message of a `TracingComm`: every start is recorded as an isend or an
+    irecv would be."""
+
+    __slots__ = ("comm", "inner", "peer", "channel", "nbytes", "send")
+
+    def __init__(self, comm: "TracingComm", inner: Persistent, peer: int, channel: str,
+                 nbytes: int, send: bool) -> None:
+        self.comm, self.inner, self.peer = comm, inner, peer
+        self.channel, self.nbytes, self.send = channel, nbytes, send
+
+    def start(self) -> Request:
+        comm, tracer = self.comm, self.comm.tracer
+        tracer.enter()
+        if self.send:
+            seq = comm._next(comm._sent, self.peer, self.channel)
+            tracer.record(["send", self.peer, self.nbytes, self.channel, seq])
+            req = self.inner.start()
+            tracer.leave()
+            return _TracedSend(req, tracer)
+        seq = comm._next(comm._posted, self.peer, self.channel)
+        req = self.inner.start()
+        tracer.leave()
+        return _TracedRecv(req, tracer, ["wait", self.peer, self.channel, seq])
+
+
 class TracingComm:
     """A communicator that records what `inner` does for `tracer` and otherwise behaves
     exactly like it. `name` names its channels; `dup()` gives a tracing communicator on
@@ -159,6 +185,14 @@ class TracingComm:
         req = self.inner.irecv(buf, source, tag)
         self.tracer.leave()
         return _TracedRecv(req, self.tracer, ["wait", source, channel, seq])
+
+    def send_init(self, buf: Tensor, dest: int, tag: int) -> Persistent:
+        return _TracedPersistent(self, send_init(self.inner, buf, dest, tag), dest,
+                                 f"{self.name}:{tag}", _nbytes(buf), True)
+
+    def recv_init(self, buf: Tensor, source: int, tag: int) -> Persistent:
+        return _TracedPersistent(self, recv_init(self.inner, buf, source, tag), source,
+                                 f"{self.name}:{tag}", _nbytes(buf), False)
 
     def _collective(self, kind: str, nbytes: int, root: int, call: Callable[[], Any]) -> Any:
         self.tracer.enter()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Hashable
 import torch
 from torch import Tensor
 
-from ..comm import Comm, Request
+from ..comm import Comm, Persistent, Request, recv_init, send_init
 from .grid import LocalLevel
 from .propagator import Step, StepBatch, make_step
 
@@ -53,6 +53,9 @@ class Level:
         self.g = torch.zeros_like(self.u) if fas else None
         self._state = (like.shape, like.dtype, like.device)
         self._send_buf: dict[int, Tensor] = {}     # allocated at a kind's first send
+        # the messages every cycle repeats, set up once (persistent requests on MPI)
+        self._send_init: dict[int, Persistent] = {}
+        self._recv_init: dict[int, Persistent] = {}
         self._sends: dict[int, Request] = {}
         self._recvs: dict[int, Request] = {}
         self.version = 0   # bumped by every change of u, so results computed from it can be reused
@@ -147,7 +150,7 @@ class Level:
         prev = self.local.prev_rank
         if prev is not None and self._ghost_after_c == c_phase:
             self.wait_ghost()
-            self._recvs[_U_TAG] = self.comm.irecv(self.u[0], prev, self._tags[_U_TAG])
+            self._recvs[_U_TAG] = self._receive(_U_TAG, self.u[0], prev).start()
 
     def wait_ghost(self) -> None:
         req = self._recvs.pop(_U_TAG, None)
@@ -168,8 +171,7 @@ class Level:
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:
-            self._recvs[_V_TAG] = self.comm.irecv(self.v[0], self.local.prev_rank,
-                                                  self._tags[_V_TAG])
+            self._recvs[_V_TAG] = self._receive(_V_TAG, self.v[0], self.local.prev_rank).start()
 
     def wait_v_ghost(self) -> None:
         req = self._recvs.pop(_V_TAG, None)
@@ -188,8 +190,17 @@ class Level:
         if buf is None:
             shape, dtype, device = self._state
             buf = self._send_buf[kind] = torch.zeros(shape, dtype=dtype, device=device)
+            self._send_init[kind] = send_init(self.comm, buf, dest, self._tags[kind])
         buf.copy_(value)
-        self._sends[kind] = self.comm.isend(buf, dest, self._tags[kind])
+        self._sends[kind] = self._send_init[kind].start()
+
+    def _receive(self, kind: int, buf: Tensor, source: int) -> Persistent:
+        """The persistent receive of a kind of boundary value (set up at its first use)."""
+        message = self._recv_init.get(kind)
+        if message is None:
+            message = self._recv_init[kind] = recv_init(self.comm, buf, source,
+                                                        self._tags[kind])
+        return message
 
     def drain(self) -> None:
         """Complete every message of this level still in flight."""
