@@ -52,6 +52,18 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
         assert torch.equal(got, expected)
         assert not torch.equal(got[1:], u[1:])      # it did write
 
+    # keeping the tanh of every step, as the forward's final sweep does
+    expected, got = u.clone(), u.clone()
+    kept_one, kept_all = torch.empty(count, rows, d, dtype=dtype), torch.empty(count, rows, d,
+                                                                               dtype=dtype)
+    for n in range(count):
+        assert kernels.step(expected[n], ws[n], bs[n], 0.3, expected[n + 1], g[n + 1],
+                            kept_one[n])
+    program = kernels.program([(got[n], ws[n], bs[n], g[n + 1], got[n + 1], kept_all[n])
+                               for n in range(count)], 0.3, False)
+    program()
+    assert torch.equal(got, expected) and torch.equal(kept_all, kept_one)
+
     ys = torch.tanh(torch.randn(count, rows, d, dtype=dtype))
     a = torch.randn(count + 1, rows, d, dtype=dtype)
     a[0] = 0.0                    # a zero cotangent maps to g without reading y
@@ -64,6 +76,22 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
     program()
     assert torch.equal(got, expected)
     assert torch.equal(got[1], g[1])
+
+    # recording the parameter cotangents too, as the adjoint's final sweep does
+    xs = torch.randn(count, rows, d, dtype=dtype)
+    expected, got = a.clone(), a.clone()
+    gw_one, gb_one = torch.empty(count, d, d, dtype=dtype), torch.empty(count, d, dtype=dtype)
+    gw_all, gb_all = torch.full_like(gw_one, 7.0), torch.full_like(gb_one, 7.0)
+    for n in range(count):
+        assert kernels.vjp(ws[n][None], expected[n][None], ys[n][None], 0.2,
+                           expected[n + 1][None], g[n + 1][None], xs[n][None], gw_one[n][None],
+                           gb_one[n][None])
+    program = kernels.program([(ws[n], got[n], ys[n], g[n + 1], got[n + 1], xs[n], gw_all[n],
+                                gb_all[n]) for n in range(count)], 0.2, True)
+    program()
+    assert torch.equal(got, expected)
+    assert torch.equal(gw_all, gw_one) and torch.equal(gb_all, gb_one)
+    assert not gw_all[0].any() and not gb_all[0].any()     # a zero cotangent: zero
 
 
 @needs_native
@@ -159,15 +187,18 @@ def test_training_with_compiled_phases_equals_its_twin_bit_for_bit(ranks, dtype,
     coarsening, relaxation drawn at random) on 1-4 virtual ranks: outputs and every rank's
     parameter gradients with compiled phases equal those of the same kernels called step by
     step exactly, and those of torch's kernels to rounding; compiled phases did run, forward
-    and adjoint."""
-    ran = []
+    and adjoint, and so did the final sweeps' phases that keep op outputs and record
+    parameter cotangents."""
+    ran, every = [], set()
     monkeypatch.setattr(dense.DenseProgram, "__call__",
                         lambda self, _f=dense.DenseProgram.__call__: ran.append(self) or _f(self))
     for seed in range(3):
         case = _random_case(100 * ranks + seed)
         ran.clear()
         compiled = _train("auto", ranks, case, dtype, monkeypatch)
-        kinds = {"adjoint" if "vjp" in p._call.__name__ else "forward" for p in ran}
+        names = {p._call.__name__ for p in ran}
+        every |= names
+        kinds = {"adjoint" if "vjp" in name else "forward" for name in names}
         stepwise = _train("kernels", ranks, case, dtype, monkeypatch)
         plain = _train("torch", ranks, case, dtype, monkeypatch)
         assert len(compiled) == len(stepwise) == len(plain)
@@ -178,6 +209,10 @@ def test_training_with_compiled_phases_equals_its_twin_bit_for_bit(ranks, dtype,
             assert float((got - ref).abs().max()) <= tol * scale, case
         assert ran, case
         assert kinds == {"forward", "adjoint"}, (case, kinds)
+    # the final fine sweeps' phases, which keep op outputs (forward) and record parameter
+    # cotangents (adjoint), ran too, in some case
+    assert any("keep" in name for name in every), every
+    assert any("record" in name for name in every), every
 
 
 @needs_native

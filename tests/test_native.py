@@ -544,7 +544,8 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
     """On 3 virtual ranks, where the adjoint's final sweep marches the F-points that a rank
     shares with the previous one (recorded single steps): output and every rank's
     gradients with the native kernels equal those of torch's kernels to rounding, and the
-    recorded single steps ran natively."""
+    recorded single steps ran natively (step by step, MGRIT_NATIVE=kernels: compiled
+    phases record them in one call, tests/test_compiled.py)."""
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     recorded = []
@@ -559,13 +560,13 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
         return [out.detach()] + [p.grad for p in model.parameters()]
 
     results = {}
-    for mode in ("torch", "auto"):
+    for mode in ("torch", "kernels"):
         monkeypatch.setenv("MGRIT_NATIVE", mode)
         recorded.clear()
         results[mode] = [t for rank in run_ranks(3, program) for t in rank]
-        assert (recorded != []) == (mode == "auto")
+        assert (recorded != []) == (mode == "kernels")
         assert all(dp is not None for dp in recorded)
-    assert relative(list(zip(results["auto"], results["torch"]))) <= 1e-12
+    assert relative(list(zip(results["kernels"], results["torch"]))) <= 1e-12
 
 
 @needs_native

@@ -164,14 +164,17 @@ def _layer_counter(name: str, original: Callable) -> Callable:
 
 def _program_steps(name: str, args: tuple) -> int:
     """The steps of a native program call (ops, count, h, rows, d): all of a forward one,
-    of an adjoint one those whose cotangent (operand 1 of 5 per step) is not all zeros, read
-    after the call, when the cotangents that earlier steps of the phase write are there."""
+    of an adjoint one those whose cotangent (operand 1 of each step's 5, or 8 where it
+    records parameter cotangents) is not all zeros, read after the call, when the
+    cotangents that earlier steps of the phase write are there."""
     ops, count, _, rows, d = (getattr(a, "value", a) for a in args)
     if "vjp" not in name:
         return count
+    width = 8 if "record" in name else 5
     real = ctypes.c_float if name.endswith("f32") else ctypes.c_double
-    addresses = (ctypes.c_int64 * (5 * count)).from_address(ops)
-    return sum(any((real * (rows * d)).from_address(addresses[5 * s + 1])) for s in range(count))
+    addresses = (ctypes.c_int64 * (width * count)).from_address(ops)
+    return sum(any((real * (rows * d)).from_address(addresses[width * s + 1]))
+               for s in range(count))
 
 
 def _native_counter(fn: Callable) -> Callable:
@@ -226,7 +229,9 @@ def counting() -> Iterator[dict[int, CountingTracer]]:
         init(self, *args, **kwargs)
         wrap = lambda f: _native_counter(f) if isinstance(f, ctypes._CFuncPtr) else f  # noqa: E731
         for key, value in list(vars(self).items()):
-            setattr(self, key, tuple(map(wrap, value)) if isinstance(value, tuple) else wrap(value))
+            setattr(self, key, tuple(map(wrap, value)) if isinstance(value, tuple)
+                    else {k: wrap(v) for k, v in value.items()} if isinstance(value, dict)
+                    else wrap(value))
     patches = [(virtual, "Tracer", CountingTracer), (virtual, "TracingComm", tracing),
                (dense.NativeDense, "__init__", native_init)]
     for cls in (steps.ChainSteps, *steps.ChainSteps.__subclasses__()):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 PhaseSteps = tuple[list[Step], list[tuple[Tensor, Tensor, "Tensor | None"]], int]
 
 _U_TAG, _V_TAG = 0, 1
+_MISSING = object()
 
 
 class Level:
@@ -64,6 +65,7 @@ class Level:
         self._steps: dict[int, Step] = {}
         # compiled relaxation phases by name, with the propagator key they were built for
         self._programs: dict[Hashable, tuple[Hashable, Callable[[], None] | None]] = {}
+        self._compiled: dict[tuple[Hashable, Hashable], Callable[[], None] | None] = {}
         self._buffers: dict[Hashable, Tensor] = {}    # outputs of compiled phases
         # which phase moves the boundary points, fixed by the grid: asked at every phase
         self._tags = (2 * self.index + _U_TAG, 2 * self.index + _V_TAG)
@@ -112,9 +114,14 @@ class Level:
             return None
         entry = self._programs.get(name)
         if entry is None or (entry[0] is not key and entry[0] != key):
-            steps, rows, parallel = build()
-            entry = self._programs[name] = (
-                key, caps.step_program(steps, rows, parallel) if steps else None)
+            # a phase may alternate between keys (the fine level's final sweep keeps op
+            # outputs, its other sweeps do not): every key's program is kept
+            program = self._compiled.get((name, key), _MISSING)
+            if program is _MISSING:
+                steps, rows, parallel = build()
+                program = self._compiled[(name, key)] = (
+                    caps.step_program(steps, rows, parallel) if steps else None)
+            entry = self._programs[name] = (key, program)
         return entry[1]
 
     def buffer(self, name: Hashable, count: int) -> Tensor:

@@ -41,8 +41,11 @@ class NativeDense:
         self._vjp = getattr(lib, f"mgrit_dense_tanh_vjp_{suffix}")
         self._step_one = getattr(lib, f"mgrit_dense_tanh_one_{suffix}")
         self._vjp_one = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
-        self._programs = (getattr(lib, f"mgrit_dense_tanh_program_{suffix}"),
-                          getattr(lib, f"mgrit_dense_tanh_vjp_program_{suffix}"))
+        self._programs = {"step": getattr(lib, f"mgrit_dense_tanh_program_{suffix}"),
+                          "keep": getattr(lib, f"mgrit_dense_tanh_keep_program_{suffix}"),
+                          "adjoint": getattr(lib, f"mgrit_dense_tanh_vjp_program_{suffix}"),
+                          "record": getattr(lib,
+                                            f"mgrit_dense_tanh_vjp_record_program_{suffix}")}
         self._real = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
         self.dtype = dtype
         self.width = width
@@ -111,15 +114,18 @@ class NativeDense:
     def program(self, operands: Sequence[tuple[Tensor | None, ...]], dt: float, adjoint: bool
                 ) -> "DenseProgram | None":
         """Steps run in the order given by one C call: per step (u, w, b, g, out) (`step`),
-        or with `adjoint` (w, a, y, g, out) (`vjp_single`); g may be None. None where an
-        operand's dtype, size or layout does not suit the kernels (the caller then takes the
-        steps one by one)."""
+        (u, w, b, g, out, keep) (`step` keeping the tanh), or with `adjoint` (w, a, y, g,
+        out) (`vjp_single`) or (w, a, y, g, out, x, gw, gb) (`vjp` with the parameter
+        cotangents); g may be None. None where an operand's dtype, size or layout does not
+        suit the kernels (the caller then takes the steps one by one)."""
         d = self.width
         if not operands or operands[0][4] is None:
             return None
         rows = operands[0][4].numel() // d
-        sizes = ((d * d, rows * d, rows * d, rows * d, rows * d) if adjoint else
-                 (rows * d, d * d, d, rows * d, rows * d))
+        keep = not adjoint and len(operands[0]) == 6
+        record = adjoint and len(operands[0]) == 8
+        sizes = ((d * d, rows * d, rows * d, rows * d, rows * d, rows * d, d * d, d) if adjoint
+                 else (rows * d, d * d, d, rows * d, rows * d, rows * d))
         addresses = []
         for step in operands:
             for i, (t, size) in enumerate(zip(step, sizes)):
@@ -132,8 +138,11 @@ class NativeDense:
                         or not t.is_contiguous()):
                     return None
                 addresses.append(t.data_ptr())
+        if any(len(step) != len(operands[0]) for step in operands):
+            return None
         ops = torch.tensor(addresses, dtype=torch.int64)
-        kernel = self._programs[1 if adjoint else 0]
+        kernel = self._programs["record" if record else "adjoint" if adjoint else
+                                "keep" if keep else "step"]
         return DenseProgram(kernel, ops, len(operands), self._real(dt), rows, d, operands)
 
 
@@ -141,7 +150,7 @@ class DenseProgram:
     """A compiled relaxation phase: `count` dense tanh steps (or adjoint steps) in one C
     call. It keeps its operands alive: the call reads them by address."""
 
-    __slots__ = ("_call", "_args", "_operands", "count", "_sizes", "_dtype")
+    __slots__ = ("_call", "_args", "_operands", "count", "_sizes", "_dtype", "_width")
 
     def __init__(self, kernel: Callable[..., int], ops: Tensor, count: int, dt: object,
                  rows: int, d: int, operands: Sequence[tuple[Tensor | None, ...]]) -> None:
@@ -151,6 +160,7 @@ class DenseProgram:
                       ctypes.c_int64(rows), ctypes.c_int64(d))
         self._operands = [ops, operands]
         self.count = count
+        self._width = len(operands[0])      # operands per step: 5, or 6 with kept values
         first = next(t for t in operands[0] if t is not None)
         self._dtype = first.dtype
         self._sizes = [[None if t is None else t.numel() for t in step] for step in operands]
@@ -164,7 +174,7 @@ class DenseProgram:
                     or not t.is_contiguous()):
                 return False
         ops = self._operands[0]
-        ops.view(self.count, 5)[:, index] = torch.tensor([t.data_ptr() for t in tensors],
+        ops.view(self.count, self._width)[:, index] = torch.tensor([t.data_ptr() for t in tensors],
                                                          dtype=torch.int64)
         self._operands.append(list(tensors))     # their memory must outlive the calls
         del self._operands[2:-1]

@@ -42,7 +42,8 @@ def _load() -> ctypes.CDLL:
         fn.argtypes, fn.restype = [P] * 6 + [real, I, I], ctypes.c_int
         fn = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
         fn.argtypes, fn.restype = [P] * 5 + [real, I, I], ctypes.c_int
-        for name in ("mgrit_dense_tanh_program", "mgrit_dense_tanh_vjp_program"):
+        for name in ("mgrit_dense_tanh_program", "mgrit_dense_tanh_keep_program",
+                     "mgrit_dense_tanh_vjp_program", "mgrit_dense_tanh_vjp_record_program"):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = [P, I, real, I, I], ctypes.c_int
     return lib

@@ -206,13 +206,40 @@ class NativeDenseSteps(ChainSteps):
         return self.kernels.program([(u, t[self.weight], t[self.bias], g, out)
                                      for t, (u, out, g) in zip(tensors, rows)], dt, False)
 
+    def keep_program(self, layers: list[int], tensors: list[Tensors],
+                     rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float
+                     ) -> tuple[DenseProgram, dict[int, Kept]] | None:
+        """`program` for steps that keep their op outputs (the forward's final sweep):
+        the program, and the kept outputs of each of `layers` as `step_into` gives them,
+        written by every run into this strategy's tensors for those layers."""
+        kept = [self._kept(("one", n), u, True) for n, (u, _, _) in zip(layers, rows)]
+        program = self.kernels.program(
+            [(u, t[self.weight], t[self.bias], g, out, k[1][0])
+             for t, (u, out, g), k in zip(tensors, rows, kept)], dt, False)
+        if program is None:
+            return None
+        return program, {n: (k[:2], 0) for n, k in zip(layers, kept)}
+
     def vjp_program(self, tensors: list[Tensors], ys: list[Tensor],
-                    rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float
+                    rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float,
+                    record: tuple[list[Tensor], Tensor, Tensor] | None = None
                     ) -> DenseProgram | None:
         """The adjoint steps out = g + w + dt (df/du)^T w for (w, out, g) in `rows`, with
-        the tanh `ys[i]` the forward step kept, in order, as one native call."""
-        return self.kernels.program([(t[self.weight], w, y, g, out)
-                                     for t, y, (w, out, g) in zip(tensors, ys, rows)], dt, True)
+        the tanh `ys[i]` the forward step kept, in order, as one native call. With
+        `record` = (forward states, gw, gb), step i also writes its parameter cotangents
+        (not scaled by dt) into gw[i] and gb[i]."""
+        if record is None:
+            return self.kernels.program([(t[self.weight], w, y, g, out)
+                                         for t, y, (w, out, g) in zip(tensors, ys, rows)],
+                                        dt, True)
+        xs, gw, gb = record
+        return self.kernels.program(
+            [(t[self.weight], w, y, g, out, x, gw[i], gb[i])
+             for i, (t, y, (w, out, g), x) in enumerate(zip(tensors, ys, rows, xs))], dt, True)
+
+    def parameter_names(self) -> tuple[str, str]:
+        """The names of the weight and the bias, as the parameter cotangents are keyed."""
+        return self.weight, self.bias
 
     def single_values(self, layer: int, t: Tensors, u: Tensor) -> Kept:
         y = torch.empty_like(u)

@@ -75,6 +75,7 @@ class NetworkPropagator:
         self._random = False
         self._values = like.numel()
         self._program_key: Hashable | None = None
+        self._keep_key: Hashable | None = None
         self._max_parallel = 0
 
     def begin(self) -> None:
@@ -84,23 +85,40 @@ class NetworkPropagator:
         self._random = self.stack.random
         self._program_key, self._max_parallel = _program_key(self.kernels, "program",
                                                              self.stack, self._values)
+        self._keep_key = (None if self._program_key is None or self.outputs is None
+                          or not hasattr(self.kernels, "keep_program")
+                          else (*self._program_key, "keep"))
 
     def program_key(self, level: int, parallel: int) -> Hashable | None:
         """What the solver's compiled phases of `level` (`step_program`) were built for:
-        the parameters' storage and the strategy of this solve; None where phases run step
-        by step (no native phase kernels, too many independent steps for them, random
-        draws, context inputs, or the final fine sweep keeping op outputs)."""
-        if (parallel > self._max_parallel or self._random or self.stack.context
-                or (self._keeping and level == 0)):
+        the parameters' storage and the strategy of this solve, and whether the phase
+        keeps op outputs (the final fine sweep); None where phases run step by step (no
+        native phase kernels, too many independent steps for them, random draws, context
+        inputs)."""
+        if parallel > self._max_parallel or self._random or self.stack.context:
             return None
-        return self._program_key
+        return self._keep_key if self._keeping and level == 0 else self._program_key
 
     def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
                      parallel: int) -> Callable[[], None] | None:
         """out = g + Phi(u) for every (u, out, g) of `rows` with its step, in order, as one
-        compiled call; None where the strategy has none for these operands."""
+        compiled call; None where the strategy has none for these operands. In the final
+        fine sweep the call also keeps the steps' op outputs for the adjoint."""
         views = self.stack.views
-        return self.kernels.program([views(s.fine_index) for s in steps], rows, steps[0].dt)
+        tensors = [views(s.fine_index) for s in steps]
+        if not (self._keeping and steps[0].level == 0):
+            return self.kernels.program(tensors, rows, steps[0].dt)
+        made = self.kernels.keep_program([s.fine_index for s in steps], tensors, rows,
+                                         steps[0].dt)
+        if made is None:
+            return None
+        program, kept = made
+        outputs = self.outputs
+
+        def run() -> None:
+            program()
+            outputs.update(kept)
+        return run
 
     def final_sweep(self, active: bool) -> None:
         """The solver's hook around its final fine sweep: keep outputs while it runs."""
@@ -205,6 +223,7 @@ class AdjointPropagator:
         self._random = False
         self._values = states[0].numel()
         self._program_key: Hashable | None = None
+        self._record_key: Hashable | None = None
         self._max_parallel = 0
 
     def begin(self) -> None:
@@ -217,21 +236,23 @@ class AdjointPropagator:
         self._random = self.stack.random
         self._program_key, self._max_parallel = _program_key(self.kernels, "vjp_program",
                                                              self.stack, self._values)
+        self._record_key = (None if self._program_key is None
+                            else (*self._program_key, "record"))
 
     def program_key(self, level: int, parallel: int) -> Hashable | None:
-        """As `NetworkPropagator.program_key`; the final fine sweep, which records
-        parameter cotangents, runs step by step."""
-        if (parallel > self._max_parallel or self._random or self.stack.context
-                or (self.recording and level == 0)):
+        """As `NetworkPropagator.program_key`; the final fine sweep's phases, which record
+        parameter cotangents, have a key of their own."""
+        if parallel > self._max_parallel or self._random or self.stack.context:
             return None
-        return self._program_key
+        return self._record_key if self.recording and level == 0 else self._program_key
 
     def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
                      parallel: int) -> Callable[[], None] | None:
         """out = g + (adjoint step)(w) for every (w, out, g) of `rows` with its step, in
-        order, as one compiled call from the forward's op outputs; None where the strategy
-        has none for these operands."""
-        phase = _AdjointPhase(self, steps, rows)
+        order, as one compiled call from the forward's op outputs (in the final fine sweep
+        also recording the parameter cotangents, `gradients`); None where the strategy has
+        none for these operands."""
+        phase = _AdjointPhase(self, steps, rows, self.recording and steps[0].level == 0)
         return phase if phase.program is not None else None
 
     def final_sweep(self, active: bool) -> None:
@@ -386,14 +407,20 @@ class _AdjointPhase:
     forward's native strategy keeps them in the same tensors pass after pass, so a phase is
     compiled once; where one is a new tensor, the phase is compiled again before it runs."""
 
-    __slots__ = ("prop", "steps", "rows", "points", "sources", "program")
+    __slots__ = ("prop", "steps", "rows", "points", "sources", "program", "record",
+                 "cotangents")
 
     def __init__(self, prop: AdjointPropagator, steps: list[Step],
-                 rows: list[tuple[Tensor, Tensor, Tensor | None]]) -> None:
+                 rows: list[tuple[Tensor, Tensor, Tensor | None]], record: bool) -> None:
         self.prop, self.steps, self.rows = prop, steps, rows
         self.points = [prop._layer_point(s) for s in steps]
         self.sources: list[tuple[object, int]] = []
         self.program: Callable[[], None] | None = None
+        self.record = record
+        # the parameter cotangents a recording phase writes, one entry per step, in the
+        # form `gradients` takes a batch's (written again at every run: the consumer of a
+        # backward solve's gradients reads them before the next one begins)
+        self.cotangents: dict[str, Tensor] | None = None
         self._compile()
 
     def _compile(self) -> None:
@@ -405,7 +432,17 @@ class _AdjointPhase:
             tensors.append(views)
             ys.append(outputs[1][k])
             self.sources.append((outputs[1], k))
-        self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt)
+        record = None
+        if self.record:
+            weight, bias = prop.kernels.parameter_names()
+            w, b = tensors[0][weight], tensors[0][bias]
+            count = len(self.points)
+            self.cotangents = {weight: w.new_empty((count, *w.shape)),
+                               bias: b.new_empty((count, *b.shape))}
+            record = ([prop.states[p - prop.offset] for p in self.points],
+                      self.cotangents[weight], self.cotangents[bias])
+        self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt,
+                                                record)
 
     def _refresh(self) -> None:
         """New kept outputs (torch's strategy, which computes large forward batches, keeps
@@ -432,3 +469,5 @@ class _AdjointPhase:
                 self.prop.step_into(w, s, out, g)
             return
         self.program()
+        if self.record:
+            self.prop.gradients.append((self.points, self.cotangents, self.steps[0].dt))

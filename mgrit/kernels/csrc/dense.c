@@ -155,6 +155,20 @@ int mgrit_dense_tanh_program_##SUFFIX(const int64_t *ops, int64_t count, T h, in
     return 0;                                                                              \
 }                                                                                          \
                                                                                            \
+/* the same with a sixth operand per step, where the step keeps its tanh (the forward's      \
+ * final sweep, whose op outputs the adjoint reads) */                                    \
+int mgrit_dense_tanh_keep_program_##SUFFIX(const int64_t *ops, int64_t count, T h,         \
+                                           int64_t rows, int64_t d) {                      \
+    for (int64_t s = 0; s < count; ++s) {                                                  \
+        const int64_t *o = ops + 6 * s;                                                    \
+        int rc = mgrit_dense_tanh_##SUFFIX((const T *)o[0], 0, (const T *)o[1], 0,         \
+                                           (const T *)o[2], 0, (const T *)o[3], 0,         \
+                                           (T *)o[4], 0, (T *)o[5], 0, h, 1, rows, d);     \
+        if (rc) return rc;                                                                 \
+    }                                                                                      \
+    return 0;                                                                              \
+}                                                                                          \
+                                                                                           \
 int mgrit_dense_tanh_vjp_program_##SUFFIX(const int64_t *ops, int64_t count, T h,          \
                                           int64_t rows, int64_t d) {                       \
     for (int64_t s = 0; s < count; ++s) {                                                  \
@@ -163,6 +177,21 @@ int mgrit_dense_tanh_vjp_program_##SUFFIX(const int64_t *ops, int64_t count, T h
                                                (const T *)o[2], 0, (const T *)o[3], 0,     \
                                                (T *)o[4], 0, NULL, 0, NULL, 0, NULL, 0, h, \
                                                1, rows, d);                                \
+        if (rc) return rc;                                                                 \
+    }                                                                                      \
+    return 0;                                                                              \
+}                                                                                          \
+                                                                                           \
+/* the adjoint's with the parameter cotangents (the final sweep records them): eight       \
+ * operands per step, (w, a, y, g, out, x, gw, gb) */                                       \
+int mgrit_dense_tanh_vjp_record_program_##SUFFIX(const int64_t *ops, int64_t count, T h,   \
+                                                 int64_t rows, int64_t d) {                \
+    for (int64_t s = 0; s < count; ++s) {                                                  \
+        const int64_t *o = ops + 8 * s;                                                    \
+        int rc = mgrit_dense_tanh_vjp_##SUFFIX((const T *)o[0], 0, (const T *)o[1], 0,     \
+                                               (const T *)o[2], 0, (const T *)o[3], 0,     \
+                                               (T *)o[4], 0, (const T *)o[5], 0,           \
+                                               (T *)o[6], 0, (T *)o[7], 0, h, 1, rows, d); \
         if (rc) return rc;                                                                 \
     }                                                                                      \
     return 0;                                                                              \
