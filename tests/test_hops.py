@@ -66,3 +66,20 @@ def test_split_of_a_small_training_step_adds_up_to_its_measured_compute():
         f"two forward cycles step every layer at least once: {layers}")
     assert layers["adj_native"] + layers["adj_torch"] > 0, layers
     assert critical["counts"]["frames"] <= busy["counts"]["frames"], "the path is part of all"
+
+
+def test_every_hierarchy_variant_fits_w2_and_predicts_a_step():
+    """The hierarchy study's variants are valid MGRIT hierarchies for W2's 1024 layers
+    (each level as asked, coarsest level of at least one step), and one of them runs on
+    two virtual ranks to a prediction with message hops."""
+    from benchmarks.scaling.hierarchies import VARIANTS, config, variant_point
+    from mgrit.app.replay import Interconnect
+    from mgrit.core.grid import build_hierarchy
+
+    for name, (levels, coarsening, relax) in VARIANTS.items():
+        cfg = config("forward", levels, coarsening, relax)
+        grids = build_hierarchy(1024, cfg.coarsening_list(), cfg.levels, cfg.min_coarse)
+        assert len(grids) == levels and grids[-1].num_steps >= 1, name
+    point = variant_point("3 levels, m = 16, 4, F/FCF", 2, Interconnect(5e-6, 1e10, 1e-6),
+                          repeats=1, warmup=1)
+    assert point["seconds"] > 0 and point["critical"]["hops"] > 0

@@ -1,0 +1,96 @@
+"""W2's training step on P virtual ranks with other MGRIT hierarchies: levels, per-level
+coarsening and relaxation (docs/performance.md, "Coarse levels"). Every variant runs in
+this process, the variants alternated in rounds, and each keeps its fastest prediction on
+the cluster network.
+
+    python -m benchmarks.scaling.hierarchies [--ranks 64] [--rounds 2] [--overhead S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from typing import Any
+
+from mgrit import Config
+from mgrit.app.replay import Interconnect
+from mgrit.comm import Comm
+from mgrit.comm.tracing import Tracer, TracingComm
+from mgrit.comm.virtual import run_ranks
+from mgrit.nn.defaults import CYCLES
+
+from .cases import CURVES, setup, shared_model, traced_step
+from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
+from .virtual import predict
+
+# name -> (levels, coarsening (one or per level), relaxation per level)
+VARIANTS: dict[str, tuple[int, int | tuple[int, ...], tuple[str, ...]]] = {
+    "4 levels, m = 4, F/FCF/FCF (default)": (4, 4, ("F", "FCF", "FCF")),
+    "3 levels, m = 4, F/FCF": (3, 4, ("F", "FCF")),
+    "5 levels, m = 4, F/FCF/FCF/FCF": (5, 4, ("F", "FCF", "FCF", "FCF")),
+    "6 levels, m = 4, F, FCF below": (6, 4, ("F",) + ("FCF",) * 4),
+    "5 levels, m = 4, F/FCF/F/F": (5, 4, ("F", "FCF", "F", "F")),
+    "4 levels, m = 8, 4, 4, F/FCF/FCF": (4, (8, 4, 4), ("F", "FCF", "FCF")),
+    "3 levels, m = 16, 4, F/FCF": (3, (16, 4), ("F", "FCF")),
+}
+
+
+def config(direction: str, levels: int, coarsening: int | tuple[int, ...],
+           relax: tuple[str, ...]) -> Config:
+    """A training solve's settings (fixed cycles, tol 0) with this hierarchy."""
+    return Config(levels=levels, coarsening=coarsening, relax=relax,
+                  max_iter=CYCLES[direction], tol=0.0, min_coarse=1)
+
+
+def variant_point(name: str, ranks: int, network: Interconnect, repeats: int = 3,
+                  warmup: int = 3) -> dict[str, Any]:
+    """The prediction of W2's step with hierarchy `name` on `ranks` virtual ranks."""
+    levels, coarsening, relax = VARIANTS[name]
+    base = CURVES["w2"].work()
+    work = replace(base, forward=config("forward", levels, coarsening, relax),
+                   backward=config("backward", levels, coarsening, relax))
+    net, layers, x, y = setup(work)
+
+    def program(comm: Comm) -> list[list[list]]:
+        tracer = Tracer(time.thread_time)
+        model = shared_model(work, net, layers, TracingComm(comm, tracer))
+        step = traced_step(model, work, x, y, tracer)
+        for _ in range(warmup):
+            step()
+        traces = []
+        for _ in range(repeats):
+            tracer.start()
+            step()
+            traces.append(tracer.stop())
+        return traces
+
+    by_rank = run_ranks(ranks, program)
+    return predict([[by_rank[r][k] for r in range(ranks)] for k in range(repeats)], network)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling.hierarchies",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--overhead", type=float, default=10.9e-6,
+                        help="per-message posting overhead in seconds")
+    args = parser.parse_args(argv)
+    network = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, args.overhead)
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):
+        for name in VARIANTS:
+            point = variant_point(name, args.ranks, network)
+            if name not in best or point["seconds"] < best[name]["seconds"]:
+                best[name] = point
+    print(f"W2 on {args.ranks} virtual ranks, fastest of {args.rounds} rounds")
+    print("| levels, coarsening, relaxation | predicted step | hops | busy per rank |")
+    print("|---|---|---|---|")
+    for name, point in best.items():
+        print(f"| {name} | {point['seconds'] * 1e3:.2f} ms | {point['critical']['hops']} | "
+              f"{point['busy_mean'] * 1e3:.2f} ms |")
+
+
+if __name__ == "__main__":
+    main()
