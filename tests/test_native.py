@@ -2,7 +2,9 @@
 (a failed one fails these tests; only a missing compiler skips them), and their use by the
 layer kernels."""
 
+import ctypes
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -262,6 +264,37 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
     assert second.returncode == 0 and second.stdout.strip() == path, second.stderr
     assert os.stat(path).st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
+
+
+@needs_native
+def test_a_build_without_the_vector_math_library_falls_back_to_the_scalar_tanh(tmp_path,
+                                                                              monkeypatch):
+    """The C recipe links glibc's vector math library first; where that link fails (here a
+    library that does not exist stands for a missing libmvec), the next flag set builds a
+    library whose dense kernels use the scalar tanh, and its steps agree with the linked
+    build's to rounding."""
+    monkeypatch.setenv("MGRIT_CACHE_DIR", str(tmp_path))
+    assert any("-lmvec" in flags for flags in kernel_build.C.flag_sets[:1])
+    missing = dataclasses.replace(
+        kernel_build.C, flag_sets=(("-O3", "-DMGRIT_LIBMVEC", "-Wl,-z,defs",
+                                    "-Wl,--no-as-needed", "-lmgrit_no_such_library"),
+                                   ("-O3",)))
+    path = kernel_build.built(missing, report=lambda line: None)
+    assert path == missing.path(kernel_build.c_compiler(), ("-O3",))
+    scalar = ctypes.CDLL(str(path))
+    assert scalar.mgrit_dense_vector_tanh() == 0
+    assert native.library().mgrit_dense_vector_tanh() == int(native.vector_tanh())
+    w, b, u, _, _ = _dense_operands(3, 2, 13, torch.float64)
+    outs = []
+    for lib in (scalar, native.library()):
+        fn = lib.mgrit_dense_tanh_f64
+        fn.argtypes, fn.restype = native.library().mgrit_dense_tanh_f64.argtypes, ctypes.c_int
+        out = torch.empty_like(u)
+        assert fn(u.data_ptr(), u.stride(0), w.data_ptr(), w.stride(0), b.data_ptr(),
+                  b.stride(0), None, 0, out.data_ptr(), out.stride(0), None, 0, 0.3, 3, 2,
+                  13) == 0
+        outs.append(out)
+    assert relative([(outs[0], outs[1])]) <= 1e-15
 
 
 def _raised(fn) -> BaseException | None:
@@ -654,8 +687,9 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
         dtype, tol, monkeypatch):
     """`chain_steps` takes the native dense steps for states of at most
     DENSE_NATIVE_MAX_VALUES values (and where MGRIT_NATIVE allows them), torch's kernels
-    past that; its batches of forward steps run natively up to DENSE_NATIVE_MAX_BATCH
-    values and on torch past that. Either way a batch equals the step in float64."""
+    past that; its batches of forward steps run natively up to the kernels' `max_batch`
+    values (DENSE_NATIVE_MAX_BATCH with a scalar tanh, no limit with glibc's vector one)
+    and on torch past that. Either way a batch equals the step in float64."""
     cpu, d = torch.device("cpu"), 8
     chain = Chain.of(nn.Sequential(nn.Linear(d, d), nn.Tanh()))
     at = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d, d])
@@ -667,8 +701,11 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
     rows = 4
     strategy = steps.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)
     calls = _count_native(monkeypatch)
-    most = dense.DENSE_NATIVE_MAX_BATCH // (rows * d)
-    for count, natively in ((most, True), (most + 1, False)):
+    limit = strategy.kernels.max_batch
+    assert limit == (math.inf if native.vector_tanh() else dense.DENSE_NATIVE_MAX_BATCH)
+    most = 64 if limit == math.inf else int(limit) // (rows * d)
+    cases = ((most, True),) if limit == math.inf else ((most, True), (most + 1, False))
+    for count, natively in cases:
         w, b, u, _, g = _dense_operands(count, rows, d, dtype, seed=count)
         t = {strategy.weight: w, strategy.bias: b}
         ref = u.double() + 0.3 * torch.tanh(u.double() @ w.double().transpose(1, 2)

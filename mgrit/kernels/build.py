@@ -131,8 +131,12 @@ class Recipe:
         return cache_dir() / f"libmgrit_{self.name}_{key}.so"
 
 
+# The first flag set links glibc's vector math library for the dense kernels' tanh; where it
+# is missing or lacks the functions, -z defs makes the link fail and the next set is tried.
 C = Recipe("native", (CSRC / "conv2d.c", CSRC / "dense.c"), c_compiler,
-           (("-O3", "-march=native"), ("-O3",)), ("-shared", "-fPIC"), ("-lm",), cpu)
+           (("-O3", "-march=native", "-DMGRIT_LIBMVEC", "-Wl,-z,defs", "-Wl,--no-as-needed",
+             "-lmvec"), ("-O3", "-march=native"), ("-O3",)), ("-shared", "-fPIC"), ("-lm",),
+           cpu)
 CUDA = Recipe("cuda", (CSRC / "residual_dense.cu",), nvcc, (("-O3", "-arch=native"), ("-O3",)),
               ("-shared", "-Xcompiler", "-fPIC"), (), gpus)
 RECIPES = {"c": C, "cuda": CUDA}

@@ -24,8 +24,9 @@ def native_backend() -> str:
     they are measured faster, native dense tanh steps for narrow layers, and relaxation
     phases of such steps compiled into one native call each), "kernels" (the same kernels,
     called step by step or batch by batch from Python: the twin that the compiled phases
-    are tested against) or "torch" (torch's kernels only). torch.use_deterministic_algorithms(True) means "torch": a choice made
-    by timing can differ between runs, and torch's results are what a serial run computes."""
+    are tested against) or "torch" (torch's kernels only).
+    torch.use_deterministic_algorithms(True) means "torch": a choice made by timing can
+    differ between runs, and torch's results are what a serial run computes."""
     name = os.environ.get("MGRIT_NATIVE", "auto")
     if name not in NATIVE_BACKENDS:
         raise ValueError(f"MGRIT_NATIVE={name!r}: expected one of {', '.join(NATIVE_BACKENDS)}")

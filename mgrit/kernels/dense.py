@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -15,9 +16,10 @@ from . import native
 # (W2b's batch of 32 at width 32) torch's matrix products are as fast or faster
 DENSE_NATIVE_MAX_VALUES = 256
 # the most values (layers times values per layer) of a batch of forward steps for which the
-# native kernel runs: its tanh is a scalar call per value, so past a few layers torch's
+# native kernel runs where its tanh is the C library's scalar one: past a few layers torch's
 # vectorised one and batched products win (docs/performance.md, "Native CPU kernels", has
-# the timings that set both limits)
+# the timings that set both limits). With glibc's vector tanh (`native.vector_tanh`) the
+# native kernel wins at every size and there is no limit.
 DENSE_NATIVE_MAX_BATCH = 256
 
 
@@ -48,6 +50,8 @@ class NativeDense:
                                             f"mgrit_dense_tanh_vjp_record_program_{suffix}")}
         self._real = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
         self.dtype = dtype
+        # the most values of a batch of forward steps that these kernels take
+        self.max_batch = math.inf if native.vector_tanh() else DENSE_NATIVE_MAX_BATCH
         self.width = width
 
     def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,

@@ -42,6 +42,7 @@ def _load() -> ctypes.CDLL:
         fn.argtypes, fn.restype = [P] * 6 + [real, I, I], ctypes.c_int
         fn = getattr(lib, f"mgrit_dense_tanh_vjp_one_{suffix}")
         fn.argtypes, fn.restype = [P] * 5 + [real, I, I], ctypes.c_int
+        lib.mgrit_dense_vector_tanh.argtypes, lib.mgrit_dense_vector_tanh.restype = [], ctypes.c_int
         for name in ("mgrit_dense_tanh_program", "mgrit_dense_tanh_keep_program",
                      "mgrit_dense_tanh_vjp_program", "mgrit_dense_tanh_vjp_record_program"):
             fn = getattr(lib, f"{name}_{suffix}")
@@ -55,6 +56,12 @@ _library = LazyLibrary("mgrit native kernels", lambda: _load())
 def library() -> ctypes.CDLL:
     """The kernel library, built first if it is not in the cache (see LazyLibrary)."""
     return _library.get()
+
+
+def vector_tanh() -> bool:
+    """Whether the dense kernels' tanh is the vector one of glibc's libmvec (the build
+    links it where it can, `mgrit.kernels.build`), rather than the C library's scalar one."""
+    return bool(library().mgrit_dense_vector_tanh())
 
 
 def available() -> bool:

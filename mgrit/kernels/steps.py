@@ -28,6 +28,8 @@ otherwise the caller skips them before asking.
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Callable
 
 import torch
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from . import native
 from .chain import Chain, _Activation, _Linear
-from .dense import DENSE_NATIVE_MAX_BATCH, DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense
+from .dense import DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense
 
 Tensors = dict[str, Tensor]
 Kept = tuple[list, int]
@@ -143,8 +145,9 @@ def _dense_names(chain: Chain) -> tuple[str, str] | None:
 class NativeDenseSteps(ChainSteps):
     """The residual step of `Linear(d, d) -> Tanh` layers on the native CPU kernels
     (`mgrit.kernels.dense.NativeDense`): one C call per step or small batch where torch
-    takes four or five. Batches of more than DENSE_NATIVE_MAX_BATCH values go to torch,
-    whose vectorised tanh and batched products win there."""
+    takes four or five. Where the kernels' tanh is scalar (no libmvec), batches of more
+    than DENSE_NATIVE_MAX_BATCH values go to torch, whose vectorised tanh and batched
+    products win there (`NativeDense.max_batch`)."""
 
     skips_zeros = True
 
@@ -174,7 +177,7 @@ class NativeDenseSteps(ChainSteps):
         return super().step_into(layer, t, u, dt, out, g, keep)
 
     def batch(self, t: Tensors, states: Tensor, dt: float) -> Tensor:
-        if states.numel() > DENSE_NATIVE_MAX_BATCH:
+        if states.numel() > self.kernels.max_batch:
             return super().batch(t, states, dt)
         out = torch.empty_like(states)
         self.batch_into(t, states, dt, out, None, False)
@@ -182,7 +185,7 @@ class NativeDenseSteps(ChainSteps):
 
     def batch_into(self, t: Tensors, states: Tensor, dt: float, out: Tensor, g: Tensor | None,
                    keep: bool) -> list | None:
-        if states.numel() <= DENSE_NATIVE_MAX_BATCH:
+        if states.numel() <= self.kernels.max_batch:
             weight = t[self.weight]
             kept = (self._kept(("batch", weight.data_ptr(), weight.stride(0), len(states)),
                                states, False) if keep else None)
@@ -191,13 +194,16 @@ class NativeDenseSteps(ChainSteps):
                 return None if kept is None else kept[:2]
         return super().batch_into(t, states, dt, out, g, keep)
 
-    @staticmethod
-    def program_parallel(values: int) -> int:
+    def program_parallel(self, values: int, adjoint: bool) -> int:
         """The most independent steps of states of `values` values that a compiled phase
-        takes: what a batched call would take at once, which past DENSE_NATIVE_MAX_BATCH
-        values goes to torch (`batch_into`); so does such a phase, which then keeps torch's
-        vectorised tanh and its few calls for many steps."""
-        return max(1, DENSE_NATIVE_MAX_BATCH // max(values, 1))
+        takes. Forward: what a batched native call takes (`NativeDense.max_batch`), past
+        which torch's vectorised tanh beats a scalar one, in a batch and in a phase
+        alike; no limit where the kernels have glibc's vector tanh. Adjoint: any number,
+        as the adjoint needs no tanh and a compiled phase saves every sub-step's calls."""
+        limit = self.kernels.max_batch
+        if adjoint or limit == math.inf:
+            return sys.maxsize
+        return max(1, int(limit) // max(values, 1))
 
     def program(self, tensors: list[Tensors], rows: list[tuple[Tensor, Tensor, Tensor | None]],
                 dt: float) -> DenseProgram | None:

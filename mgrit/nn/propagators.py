@@ -52,7 +52,8 @@ def _program_key(kernels: object, method: str, stack: LayerStack, values: int
     has them (`method`); (None, 0) otherwise."""
     if not (compiled_phases() and hasattr(kernels, method)):
         return None, 0
-    return (stack.storage_key(), id(kernels)), kernels.program_parallel(values)
+    return ((stack.storage_key(), id(kernels)),
+            kernels.program_parallel(values, method == "vjp_program"))
 
 
 class NetworkPropagator:

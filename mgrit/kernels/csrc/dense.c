@@ -27,7 +27,43 @@
 
 #define MAX_WIDTH 1024   /* d above this: refused (a row is kept on the stack) */
 
-#define DEFINE_DENSE(T, SUFFIX, TANH)                                                      \
+/* tanh over d values: glibc's vector tanh (libmvec, AVX2: 4 doubles or 8 floats a call)
+ * where the build links it (MGRIT_LIBMVEC), the C library's scalar one for the rest and
+ * elsewhere. A step's d values are a fixed split of vector and scalar calls, so every path
+ * through these kernels gives the same bits for the same operands. */
+#if defined(MGRIT_LIBMVEC) && defined(__AVX2__) && defined(__x86_64__)
+#include <immintrin.h>
+__m256d _ZGVdN4v_tanh(__m256d);
+__m256 _ZGVdN8v_tanhf(__m256);
+static inline void tanh_all_f64(double *y, int64_t d) {
+    int64_t i = 0;
+    for (; i + 4 <= d; i += 4) _mm256_storeu_pd(y + i, _ZGVdN4v_tanh(_mm256_loadu_pd(y + i)));
+    for (; i < d; ++i) y[i] = tanh(y[i]);
+}
+static inline void tanh_all_f32(float *y, int64_t d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _ZGVdN8v_tanhf(_mm256_loadu_ps(y + i)));
+    for (; i < d; ++i) y[i] = tanhf(y[i]);
+}
+#else
+static inline void tanh_all_f64(double *y, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) y[i] = tanh(y[i]);
+}
+static inline void tanh_all_f32(float *y, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) y[i] = tanhf(y[i]);
+}
+#endif
+
+/* whether the vector tanh was built in (the layer kernels choose batch sizes by it) */
+int mgrit_dense_vector_tanh(void) {
+#if defined(MGRIT_LIBMVEC) && defined(__AVX2__) && defined(__x86_64__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define DEFINE_DENSE(T, SUFFIX)                                                            \
 typedef T dvec_##SUFFIX __attribute__((vector_size(32)));                                  \
 enum { DLANES_##SUFFIX = 32 / sizeof(T) };                                                 \
                                                                                            \
@@ -73,7 +109,8 @@ int mgrit_dense_tanh_##SUFFIX(const T *u, int64_t su, const T *w, int64_t sw, co
         for (int64_t r = 0; r < rows; ++r) {                                               \
             const T *ur = u + n * su + r * d;                                              \
             for (int64_t i = 0; i < d; ++i)                                                \
-                y[i] = TANH(dot_##SUFFIX(wn + i * d, ur, d) + (bn ? bn[i] : (T)0));        \
+                y[i] = dot_##SUFFIX(wn + i * d, ur, d) + (bn ? bn[i] : (T)0);              \
+            tanh_all_##SUFFIX(y, d);                                                       \
             if (keep) memcpy(keep + n * sk + r * d, y, d * sizeof(T));                     \
             residual_##SUFFIX(out + n * so + r * d, ur, y, g ? g + n * sg + r * d : NULL,  \
                               h, d);                                                       \
@@ -197,5 +234,5 @@ int mgrit_dense_tanh_vjp_record_program_##SUFFIX(const int64_t *ops, int64_t cou
     return 0;                                                                              \
 }
 
-DEFINE_DENSE(float, f32, tanhf)
-DEFINE_DENSE(double, f64, tanh)
+DEFINE_DENSE(float, f32)
+DEFINE_DENSE(double, f64)
