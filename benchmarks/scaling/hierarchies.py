@@ -9,20 +9,16 @@ the cluster network.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
 from typing import Any
 
 from mgrit import Config
 from mgrit.app.replay import Interconnect
-from mgrit.comm import Comm
-from mgrit.comm.tracing import Tracer, TracingComm
-from mgrit.comm.virtual import run_ranks
 from mgrit.nn.defaults import CYCLES
 
-from .cases import CURVES, setup, shared_model, traced_step
+from .cases import CURVES
 from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
-from .virtual import predict
+from .virtual import predict, work_traces
 
 # name -> (levels, coarsening (one or per level), relaxation per level)
 VARIANTS: dict[str, tuple[int, int | tuple[int, ...], tuple[str, ...]]] = {
@@ -50,23 +46,7 @@ def variant_point(name: str, ranks: int, network: Interconnect, repeats: int = 3
     base = CURVES["w2"].work()
     work = replace(base, forward=config("forward", levels, coarsening, relax),
                    backward=config("backward", levels, coarsening, relax))
-    net, layers, x, y = setup(work)
-
-    def program(comm: Comm) -> list[list[list]]:
-        tracer = Tracer(time.thread_time)
-        model = shared_model(work, net, layers, TracingComm(comm, tracer))
-        step = traced_step(model, work, x, y, tracer)
-        for _ in range(warmup):
-            step()
-        traces = []
-        for _ in range(repeats):
-            tracer.start()
-            step()
-            traces.append(tracer.stop())
-        return traces
-
-    by_rank = run_ranks(ranks, program)
-    return predict([[by_rank[r][k] for r in range(ranks)] for k in range(repeats)], network)
+    return predict(work_traces(work, ranks, repeats, warmup), network)
 
 
 def main(argv: list[str] | None = None) -> None:

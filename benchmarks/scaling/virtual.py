@@ -26,7 +26,7 @@ from mgrit.comm.tracing import Tracer, TracingComm
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels.choice import torch_kernels
 
-from ..workloads import w0_workload
+from ..workloads import TrainingWorkload, w0_workload
 from .cases import W0_PROCESSES, ScalingCase, fastest, setup, shared_model, traced_step
 
 T = TypeVar("T")
@@ -147,7 +147,12 @@ def virtual_traces(case: ScalingCase, ranks: int, repeats: int = 3, warmup: int 
                    kernels: KernelCosts | None = None) -> list[list[list[Event]]]:
     """Traces [repeat][rank] of training steps of `case` on `ranks` virtual ranks, after
     `warmup` untraced steps; with `kernels`, convolutions are charged from its table."""
-    work = case.work()
+    return work_traces(case.work(), ranks, repeats, warmup, kernels)
+
+
+def work_traces(work: TrainingWorkload, ranks: int, repeats: int = 3, warmup: int = 3,
+                kernels: KernelCosts | None = None) -> list[list[list[Event]]]:
+    """`virtual_traces` of a training workload (any network and solver settings)."""
     net, layers, x, y = setup(work)
 
     def program(comm: Comm) -> list[list[Event]]:

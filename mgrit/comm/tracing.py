@@ -133,18 +133,9 @@ class _TracedPersistent:
         self.channel, self.nbytes, self.send = channel, nbytes, send
 
     def start(self) -> Request:
-        comm, tracer = self.comm, self.comm.tracer
-        tracer.enter()
         if self.send:
-            seq = comm._next(comm._sent, self.peer, self.channel)
-            tracer.record(["send", self.peer, self.nbytes, self.channel, seq])
-            req = self.inner.start()
-            tracer.leave()
-            return _TracedSend(req, tracer)
-        seq = comm._next(comm._posted, self.peer, self.channel)
-        req = self.inner.start()
-        tracer.leave()
-        return _TracedRecv(req, tracer, ["wait", self.peer, self.channel, seq])
+            return self.comm._send(self.peer, self.nbytes, self.channel, self.inner.start)
+        return self.comm._receive(self.peer, self.channel, self.inner.start)
 
 
 class TracingComm:
@@ -169,22 +160,32 @@ class TracingComm:
         counter[(peer, channel)] = seq + 1
         return seq
 
-    def isend(self, buf: Tensor, dest: int, tag: int) -> Request:
-        channel = f"{self.name}:{tag}"
+    def _send(self, dest: int, nbytes: int, channel: str, post: Callable[[], Request]
+              ) -> Request:
+        """Record the next send to dest on channel and post it (`post`)."""
         self.tracer.enter()
         seq = self._next(self._sent, dest, channel)
-        self.tracer.record(["send", dest, _nbytes(buf), channel, seq])
-        req = self.inner.isend(buf, dest, tag)
+        self.tracer.record(["send", dest, nbytes, channel, seq])
+        req = post()
         self.tracer.leave()
         return _TracedSend(req, self.tracer)
 
-    def irecv(self, buf: Tensor, source: int, tag: int) -> Request:
-        channel = f"{self.name}:{tag}"
+    def _receive(self, source: int, channel: str, post: Callable[[], Request]) -> Request:
+        """Post the next receive from source on channel (`post`); its first wait is
+        recorded."""
         self.tracer.enter()
         seq = self._next(self._posted, source, channel)
-        req = self.inner.irecv(buf, source, tag)
+        req = post()
         self.tracer.leave()
         return _TracedRecv(req, self.tracer, ["wait", source, channel, seq])
+
+    def isend(self, buf: Tensor, dest: int, tag: int) -> Request:
+        return self._send(dest, _nbytes(buf), f"{self.name}:{tag}",
+                          lambda: self.inner.isend(buf, dest, tag))
+
+    def irecv(self, buf: Tensor, source: int, tag: int) -> Request:
+        return self._receive(source, f"{self.name}:{tag}",
+                             lambda: self.inner.irecv(buf, source, tag))
 
     def send_init(self, buf: Tensor, dest: int, tag: int) -> Persistent:
         return _TracedPersistent(self, send_init(self.inner, buf, dest, tag), dest,

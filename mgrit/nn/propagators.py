@@ -424,15 +424,21 @@ class _AdjointPhase:
         self.cotangents: dict[str, Tensor] | None = None
         self._compile()
 
-    def _compile(self) -> None:
+    def _kept_tanh(self) -> list[Tensor]:
+        """Each step's kept tanh (computed now where none is kept), noting where it was
+        read from (`sources`, what every run checks)."""
         prop = self.prop
-        tensors, ys, self.sources = [], [], []
+        ys, self.sources = [], []
         for p in self.points:
-            views = prop.stack.views(p)
-            outputs, k = prop._single_kept(p, views)
-            tensors.append(views)
+            outputs, k = prop._single_kept(p, prop.stack.views(p))
             ys.append(outputs[1][k])
             self.sources.append((outputs[1], k))
+        return ys
+
+    def _compile(self) -> None:
+        prop = self.prop
+        ys = self._kept_tanh()
+        tensors = [prop.stack.views(p) for p in self.points]
         record = None
         if self.record:
             weight, bias = prop.kernels.parameter_names()
@@ -449,12 +455,7 @@ class _AdjointPhase:
         """New kept outputs (torch's strategy, which computes large forward batches, keeps
         them in new tensors every pass): their addresses go into the program's table, or
         the phase is compiled again where one does not suit it."""
-        prop = self.prop
-        ys, self.sources = [], []
-        for p in self.points:
-            outputs, k = prop._single_kept(p, prop.stack.views(p))
-            ys.append(outputs[1][k])
-            self.sources.append((outputs[1], k))
+        ys = self._kept_tanh()
         if self.program is None or not self.program.set_operand(2, ys):
             self._compile()
 
