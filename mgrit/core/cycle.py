@@ -18,6 +18,7 @@ from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
 from .propagator import Capabilities, Propagator
 from .relax import c_relax, f_relax, phi_at, propagate_to_c_points, sweep
+from .schedule import Schedule
 
 
 class DivergenceError(RuntimeError):
@@ -90,6 +91,10 @@ class Solver:
     network layer keeps the forward pass's outputs and records parameter gradients there).
     """
 
+    # whether cycles whose phases are all compiled are recorded once and replayed (tests
+    # turn it off to compare; the results are the same to the bit)
+    replays = True
+
     def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
                  config: Config | None = None, comm: Comm | Any = None,
                  blocks: list[tuple[int, int]] | None = None,
@@ -143,6 +148,13 @@ class Solver:
         self._phi_cache: tuple[int, Tensor] | None = None
         self._final_owner = next(r for r, (a, b) in enumerate(blocks) if a <= num_steps <= b)
         self._step_checked = False
+        # cycles recorded and replayed (`mgrit.core.schedule`) where every phase may be one
+        # compiled call; `_recording` is the record being made, else None
+        self._records = (self.replays and self.executor.compiles and
+                         self.executor.graphs is None and caps.program_key is not None
+                         and caps.step_program is not None)
+        self._schedule: Schedule | None = None
+        self._recording: Schedule | None = None
 
     # input checks ------------------------------------------------------------
     def _check_guess(self, guess: Tensor) -> None:
@@ -214,24 +226,38 @@ class Solver:
         if coarse.empty:
             return
         views = self._transfer(l)
+        run = _call if self._recording is None else self._recording.call
         coarse.post_v_ghost()
-        views.coarse_v.copy_(views.fine_u)
+        run(views.coarse_v.copy_, views.fine_u)
         coarse.publish_v()
         if views.count:
-            phi = self._phi_at_c_points(fine, views.first_c, views.count)
+            if l == 0 and self._recording is not None:
+                phi = self._recording.call(self._phi_into, fine, views)
+            else:
+                phi = self._phi_at_c_points(fine, views.first_c, views.count)
             residual = views.residual
             if views.fine_g_c is None:
-                torch.sub(phi, views.fine_u_c, out=residual)
+                run(torch.sub, phi, views.fine_u_c, out=residual)
             else:
-                torch.sub(views.fine_g_c, views.fine_u_c, out=residual)
-                residual.add_(phi)
+                run(torch.sub, views.fine_g_c, views.fine_u_c, out=residual)
+                run(residual.add_, phi)
             if views.j0 == coarse.first:
                 coarse.wait_v_ghost()
             phi_coarse = phi_at(coarse, self.executor, coarse.v, views.j0 - 1, 1, views.count)
-            torch.add(residual, views.coarse_v_c, out=views.coarse_g_c)
-            views.coarse_g_c.sub_(phi_coarse)
+            run(torch.add, residual, views.coarse_v_c, out=views.coarse_g_c)
+            run(views.coarse_g_c.sub_, phi_coarse)
         coarse.wait_v_ghost()
-        coarse.u.copy_(coarse.v)
+        run(coarse.u.copy_, coarse.v)
+
+    def _phi_into(self, fine: Level, views: "_Transfer") -> Tensor:
+        """Phi at level 0's C-points (cached, `_phi_at_c_points`) in one tensor whatever
+        computed it, for a recorded cycle: the calls recorded after it read that tensor."""
+        phi = self._phi_at_c_points(fine, views.first_c, views.count)
+        if views.phi is None:
+            views.phi = phi
+        elif phi is not views.phi:
+            views.phi.copy_(phi)
+        return views.phi
 
     def _update_c_points(self, l: int, correct: bool) -> None:
         """Level l's C-points from level l+1: add the correction (u_c - v), or inject u_c."""
@@ -241,19 +267,49 @@ class Solver:
         fine.post_ghost(c_phase=True)
         if not coarse.empty:
             views = self._transfer(l)
+            run = _call if self._recording is None else self._recording.call
             if correct:
-                torch.sub(views.coarse_u, views.coarse_v, out=views.correction)
-                views.fine_u.add_(views.correction)
+                run(torch.sub, views.coarse_u, views.coarse_v, out=views.correction)
+                run(views.fine_u.add_, views.correction)
             else:
-                views.fine_u.copy_(views.coarse_u)
+                run(views.fine_u.copy_, views.coarse_u)
         fine.changed(c_phase=True)
 
     def _final_sweep(self, active: bool) -> None:
         """Call the `final_sweep` hook, if any: the final sweep of level 0 begins (True) or,
         after the residual, ends (False)."""
         hook = self._final_sweep_hook
-        if hook is not None:
+        if hook is None:
+            return
+        if self._recording is None:
             hook(active)
+        else:
+            self._recording.hook(hook, active)
+
+    def _run_cycle(self) -> None:
+        """One cycle from level 0: replayed where a valid record of one exists, recorded
+        where the solver records cycles, else run (`mgrit.core.schedule`)."""
+        kind = self.config.cycle
+        schedule = self._schedule
+        if schedule is not None:
+            if schedule.valid():
+                schedule.replay()
+                return
+            self._schedule = None
+        if not self._records:
+            self._cycle(0, kind, first_f=False)
+            return
+        schedule = self._recording = Schedule(self.caps.program_key)
+        for level in self.levels:
+            level.recorder = schedule
+        try:
+            self._cycle(0, kind, first_f=False)
+        finally:
+            self._recording = None
+            for level in self.levels:
+                level.recorder = None
+        if schedule.replayable:
+            self._schedule = schedule
 
     def _cycle(self, l: int, kind: str, first_f: bool) -> None:
         level = self.levels[l]
@@ -401,7 +457,7 @@ class Solver:
                     parts.append(self._local_residual())
                 else:
                     initial = self._residual()
-            self._cycle(0, cfg.cycle, first_f=False)
+            self._run_cycle()
             if deferred:
                 parts.append(self._local_residual())
                 self._final_sweep(False)
@@ -455,6 +511,11 @@ class _Transfer:
             crows = coarse.rows(self.j0, 1, self.count)
             self.coarse_v_c, self.coarse_g_c = coarse.v[crows], coarse.g[crows]
             self.residual = torch.empty_like(self.fine_u_c)
+        self.phi: Tensor | None = None     # what a recorded cycle's Phi at C-points is in
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def solve(prop: Propagator, u0: Tensor, num_steps: int, t0: float, t1: float,

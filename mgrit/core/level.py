@@ -13,6 +13,7 @@ after a C-phase (C-relaxation, correction, injection) when it is a C-point.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
@@ -24,12 +25,17 @@ from .propagator import Step, StepBatch, make_step
 
 if TYPE_CHECKING:
     from ..execute import Executor
+    from .schedule import Schedule
 
 # what a compiled phase is built from: its steps, per step (u, out, g), how many independent
 PhaseSteps = tuple[list[Step], list[tuple[Tensor, Tensor, "Tensor | None"]], int]
 
 _U_TAG, _V_TAG = 0, 1
 _MISSING = object()
+
+
+def _nothing() -> None:
+    """The compiled phase of no steps (a rank's intervals without F-points)."""
 
 
 class Level:
@@ -71,6 +77,9 @@ class Level:
         self._tags = (2 * self.index + _U_TAG, 2 * self.index + _V_TAG)
         self._ghost_after_c = self.grid.is_c_point(self.first - 1)
         self._last_after_c = self.grid.is_c_point(self.last)
+        # the solver's record of the cycle being recorded (`mgrit.core.schedule`), else
+        # None: the methods that change u or move messages record themselves in it
+        self.recorder: Schedule | None = None
 
     # index maths -----------------------------------------------------------
 
@@ -110,6 +119,9 @@ class Level:
                 or executor.graphs is not None):
             return None
         key = caps.program_key(self.index, parallel)
+        rec = self.recorder
+        if rec is not None:
+            rec.key(self.index, parallel, key)
         if key is None:
             return None
         entry = self._programs.get(name)
@@ -120,9 +132,21 @@ class Level:
             if program is _MISSING:
                 steps, rows, parallel = build()
                 program = self._compiled[(name, key)] = (
-                    caps.step_program(steps, rows, parallel) if steps else None)
+                    caps.step_program(steps, rows, parallel) if steps else _nothing)
             entry = self._programs[name] = (key, program)
-        return entry[1]
+        program = entry[1]
+        if rec is not None:
+            if program is None:
+                rec.replayable = False
+            elif not rec.depth and program is not _nothing:
+                return partial(rec.call, program)
+        return program
+
+    def step_by_step(self) -> None:
+        """A phase of this level runs step by step: the cycle being recorded, if any, is
+        not replayable."""
+        if self.recorder is not None:
+            self.recorder.replayable = False
 
     def buffer(self, name: Hashable, count: int) -> Tensor:
         """A tensor of `count` states kept for phase `name`'s output (allocated once)."""
@@ -156,21 +180,33 @@ class Level:
         """Post the receive of the previous rank's last point for this phase."""
         prev = self.local.prev_rank
         if prev is not None and self._ghost_after_c == c_phase:
+            rec = self.recorder
+            if rec is not None and not rec.depth:
+                return rec.call(self.post_ghost, c_phase)
             self.wait_ghost()
             self._recvs[_U_TAG] = self._receive(_U_TAG, self.u[0], prev).start()
 
     def wait_ghost(self) -> None:
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            return rec.call(self.wait_ghost)
         req = self._recvs.pop(_U_TAG, None)
         if req is not None:
             req.wait()
 
     def touched(self) -> None:
         """u changed: results computed from an earlier version are stale."""
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            return rec.call(self.touched)
         self.version += 1
 
     def changed(self, c_phase: bool) -> None:
         """End of a phase that changed u (its C-points or F-points): count a new version and
         send the last point to the next rank if this phase changed it."""
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            return rec.call(self.changed, c_phase)
         self.version += 1       # `touched`, inlined: this runs at the end of every phase
         nxt = self.local.next_rank
         if nxt is not None and self._last_after_c == c_phase:
@@ -178,15 +214,24 @@ class Level:
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:
+            rec = self.recorder
+            if rec is not None and not rec.depth:
+                return rec.call(self.post_v_ghost)
             self._recvs[_V_TAG] = self._receive(_V_TAG, self.v[0], self.local.prev_rank).start()
 
     def wait_v_ghost(self) -> None:
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            return rec.call(self.wait_v_ghost)
         req = self._recvs.pop(_V_TAG, None)
         if req is not None:
             req.wait()
 
     def publish_v(self) -> None:
         if self.local.next_rank is not None:
+            rec = self.recorder
+            if rec is not None and not rec.depth:
+                return rec.call(self.publish_v)
             self._send(_V_TAG, self.v[-1], self.local.next_rank)
 
     def _send(self, kind: int, value: Tensor, dest: int) -> None:
@@ -211,6 +256,9 @@ class Level:
 
     def drain(self) -> None:
         """Complete every message of this level still in flight."""
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            return rec.call(self.drain)
         for req in list(self._recvs.values()) + list(self._sends.values()):
             req.wait()
         self._recvs.clear()

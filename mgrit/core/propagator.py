@@ -133,8 +133,11 @@ class CompiledPropagator(Protocol):
     `program_key(level, parallel)` says what a phase of that level with `parallel`
     independent steps, compiled now, is valid for (the solver compiles a phase again when
     the key changes), or None where such a phase runs step by step; it is asked before
-    every run of a phase, so it must be cheap. A phase must give the bits its steps give
-    one by one."""
+    every run of a phase that is not replayed, so it must be cheap. Keys may change
+    between cycles and at the solver's final-sweep hook, not within a cycle otherwise:
+    a cycle whose phases are all compiled is recorded and replayed while the keys asked
+    before its first hook call stay the same (`mgrit.core.schedule`). A phase must give
+    the bits its steps give one by one."""
 
     def step_program(self, steps: list[Step], rows: list[tuple[Tensor, Tensor, Tensor | None]],
                      parallel: int) -> Callable[[], None] | None: ...

@@ -168,6 +168,7 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
             level.wait_ghost()
         program()
     elif count:
+        level.step_by_step()
         new = propagate_to_c_points(level, executor, first_c, count)
         rows = level.rows(first_c, level.grid.coarsening, count)
         if weight == 1.0 and level.g is not None:
