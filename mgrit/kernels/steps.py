@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -228,12 +228,12 @@ class NativeDenseSteps(ChainSteps):
 
     def vjp_program(self, tensors: list[Tensors], ys: list[Tensor],
                     rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float,
-                    record: tuple[list[Tensor], Tensor, Tensor] | None = None
+                    record: tuple[list[Tensor], Sequence[Tensor], Sequence[Tensor]] | None = None
                     ) -> DenseProgram | None:
         """The adjoint steps out = g + w + dt (df/du)^T w for (w, out, g) in `rows`, with
         the tanh `ys[i]` the forward step kept, in order, as one native call. With
         `record` = (forward states, gw, gb), step i also writes its parameter cotangents
-        (not scaled by dt) into gw[i] and gb[i]."""
+        (not scaled by dt) into gw[i] and gb[i] (rows of a stacked tensor, or any views)."""
         if record is None:
             return self.kernels.program([(t[self.weight], w, y, g, out)
                                          for t, y, (w, out, g) in zip(tensors, ys, rows)],

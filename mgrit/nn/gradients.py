@@ -44,7 +44,9 @@ def layer_gradients(layers: LayerStack,
                              torch.cat(parts) if len(parts) > 1 else parts[0])
             grads[name] = grad.mul_(dt)
         return grads
-    grads = {name: torch.zeros_like(param) for name, param in params.items()}
+    # every row is written below; zeroed first only where some row is written twice
+    blank = torch.empty_like if len(rows) == count else torch.zeros_like
+    grads = {name: blank(param) for name, param in params.items()}
     for batch, cotangents, dt in recorded:
         first, step = batch[0] - lo, (batch[1] - batch[0] if len(batch) > 1 else 1)
         if step != 0 and batch == list(range(batch[0], batch[-1] + step, step)):
@@ -90,6 +92,8 @@ def context_gradients(recorded: list[tuple[list[int], dict[str, Tensor], float]]
     recorded twice counts once, its later entry; a batch without an entry contributed
     zeros) times its step size."""
     live = [name for name, value in context.items() if value.requires_grad]
+    if not live:
+        return {}
     rows: dict[int, dict[str, Tensor | None]] = {}
     for batch, cotangents, dt in recorded:
         for i, layer in enumerate(batch):

@@ -12,10 +12,11 @@ zero cotangents and the parameter cotangents of its final fine sweep.
 
 from __future__ import annotations
 
+import operator
+from typing import Callable, Hashable
+
 import torch
 from torch import Tensor
-
-from typing import Callable, Hashable
 
 from ..core.propagator import Step, StepBatch
 from ..execute import write_result
@@ -408,20 +409,27 @@ class _AdjointPhase:
     forward's native strategy keeps them in the same tensors pass after pass, so a phase is
     compiled once; where one is a new tensor, the phase is compiled again before it runs."""
 
-    __slots__ = ("prop", "steps", "rows", "points", "sources", "program", "record",
-                 "cotangents")
+    __slots__ = ("prop", "steps", "rows", "points", "sources", "entries", "program",
+                 "record", "cotangents", "layers")
 
     def __init__(self, prop: AdjointPropagator, steps: list[Step],
                  rows: list[tuple[Tensor, Tensor, Tensor | None]], record: bool) -> None:
         self.prop, self.steps, self.rows = prop, steps, rows
         self.points = [prop._layer_point(s) for s in steps]
         self.sources: list[tuple[object, int]] = []
+        # the forward's entries (`outputs`) the last run found its sources in: while every
+        # one is still there, no source can have changed
+        self.entries: list[Kept | None] | None = None
         self.program: Callable[[], None] | None = None
         self.record = record
-        # the parameter cotangents a recording phase writes, one entry per step, in the
+        # the parameter cotangents a recording phase writes, one row per step, in the
         # form `gradients` takes a batch's (written again at every run: the consumer of a
-        # backward solve's gradients reads them before the next one begins)
+        # backward solve's gradients reads them before the next one begins), and the layers
+        # of its rows: in increasing order where the steps take them in decreasing order (as
+        # the adjoint does), so that the gradients are assembled without reversing them
         self.cotangents: dict[str, Tensor] | None = None
+        descending = all(a > b for a, b in zip(self.points, self.points[1:]))
+        self.layers = self.points[::-1] if descending else self.points
         self._compile()
 
     def _kept_tanh(self) -> list[Tensor]:
@@ -444,10 +452,11 @@ class _AdjointPhase:
             weight, bias = prop.kernels.parameter_names()
             w, b = tensors[0][weight], tensors[0][bias]
             count = len(self.points)
-            self.cotangents = {weight: w.new_empty((count, *w.shape)),
-                               bias: b.new_empty((count, *b.shape))}
+            gw, gb = w.new_empty((count, *w.shape)), b.new_empty((count, *b.shape))
+            self.cotangents = {weight: gw, bias: gb}
+            row = {p: i for i, p in enumerate(self.layers)}
             record = ([prop.states[p - prop.offset] for p in self.points],
-                      self.cotangents[weight], self.cotangents[bias])
+                      [gw[row[p]] for p in self.points], [gb[row[p]] for p in self.points])
         self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt,
                                                 record)
 
@@ -459,17 +468,29 @@ class _AdjointPhase:
         if self.program is None or not self.program.set_operand(2, ys):
             self._compile()
 
-    def __call__(self) -> None:
-        outputs, computed = self.prop.outputs or {}, self.prop._computed
+    def _check(self, outputs: dict[int, Kept]) -> None:
+        """Refresh where a step's kept tanh is no longer its source; note the entries."""
+        computed = self.prop._computed
         for p, (source, k) in zip(self.points, self.sources):
             now = outputs.get(p) or computed.get(p)     # `AdjointPropagator._kept`, inlined
             if now is None or now[0][1] is not source or now[1] != k:
                 self._refresh()
                 break
+        self.entries = [outputs.get(p) for p in self.points]
+
+    def __call__(self) -> None:
+        outputs = self.prop.outputs or {}
+        # the same entry objects as at the last run (the native strategy's, pass after
+        # pass): checked at C speed, where a loop over the points in Python would cost
+        # more than their arithmetic
+        entries = self.entries
+        if entries is None or not all(map(operator.is_, map(outputs.get, self.points),
+                                          entries)):
+            self._check(outputs)
         if self.program is None:     # the outputs' layout no longer suits the kernels
             for s, (w, out, g) in zip(self.steps, self.rows):
                 self.prop.step_into(w, s, out, g)
             return
         self.program()
         if self.record:
-            self.prop.gradients.append((self.points, self.cotangents, self.steps[0].dt))
+            self.prop.gradients.append((self.layers, self.cotangents, self.steps[0].dt))
