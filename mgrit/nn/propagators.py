@@ -454,9 +454,10 @@ class _AdjointPhase:
             count = len(self.points)
             gw, gb = w.new_empty((count, *w.shape)), b.new_empty((count, *b.shape))
             self.cotangents = {weight: gw, bias: gb}
-            row = {p: i for i, p in enumerate(self.layers)}
+            # step i writes row i, or row count-1-i where the rows go in layer order
+            order = range(count) if self.layers is self.points else range(count - 1, -1, -1)
             record = ([prop.states[p - prop.offset] for p in self.points],
-                      [gw[row[p]] for p in self.points], [gb[row[p]] for p in self.points])
+                      [gw[r] for r in order], [gb[r] for r in order])
         self.program = prop.kernels.vjp_program(tensors, ys, self.rows, self.steps[0].dt,
                                                 record)
 
@@ -476,7 +477,10 @@ class _AdjointPhase:
             if now is None or now[0][1] is not source or now[1] != k:
                 self._refresh()
                 break
-        self.entries = [outputs.get(p) for p in self.points]
+        entries = [outputs.get(p) for p in self.points]
+        # a tanh the backward solve computed (`_computed`, new at every solve) is not in the
+        # forward's entries: such a phase checks step by step at every run
+        self.entries = None if any(e is None for e in entries) else entries
 
     def __call__(self) -> None:
         outputs = self.prop.outputs or {}
