@@ -86,7 +86,35 @@ def study(ranks: list[int] | None = None, variant_ranks: tuple[int, ...] = (64, 
     W1's convolutions from measurements of torch's), so that the ratios compare methods,
     not kernels."""
     with torch_kernels():
-        return _study(ranks, variant_ranks)
+        result = _study(ranks, variant_ranks)
+    cluster = Interconnect(**result["networks"]["cluster"])
+    result["native"] = native_curve([1, *RANKS] if ranks is None else ranks, cluster,
+                                    result["serial_costs"]["w2"])
+    return result
+
+
+def native_curve(ranks: list[int], cluster: Interconnect, serial: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """W2 once more on mgrit's own kernels (MGRIT_NATIVE as the environment has it, by
+    default the native C dense steps with compiled and recorded phases): what a user of
+    the package runs, beside the torch-kernel curve that compares methods alone. Its
+    baselines are the same serial PyTorch and layer-wise model parallelism (torch's
+    kernels), and mgrit's own sequential march (levels=1) on one rank with these kernels,
+    the fastest way this package has to run W2 on one core."""
+    case = replace(CURVES["w2"], name="w2-native")
+    rows = curve(case, case.usable(ranks), {"cluster": cluster})
+    add_baselines(rows, serial, {"cluster": cluster})
+    march_case = replace(CURVES["w2"], name="w2-native-sequential", levels=1)
+    march = fastest_points([(march_case, 1)], {"cluster": cluster})[0]
+    seconds = march["predictions"]["cluster"]["seconds"]
+    one_rank = next((r["mgrit_train"] for r in rows if r["ranks"] == 1), None)
+    for row in rows:
+        row.update({"kernels_backend": os.environ.get("MGRIT_NATIVE", "auto"),
+                    "sequential_march_train": seconds,
+                    "speedup_vs_sequential_march": seconds / row["mgrit_train"],
+                    "speedup_vs_one_rank": (one_rank / row["mgrit_train"]
+                                            if one_rank is not None else None)})
+    return rows
 
 
 def _study(ranks: list[int] | None, variant_ranks: tuple[int, ...]) -> dict[str, Any]:
@@ -229,6 +257,19 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"{r['speedup_vs_layerwise']:13.2f} {r['speedup_vs_serial']:9.2f} "
                   f"{r['forward_speedup_vs_layerwise']:9.2f} "
                   f"{r['forward_speedup_vs_serial']:13.2f}")
+    native = result.get("native") or []
+    if native:
+        print(f"\nw2 on mgrit's default kernels (MGRIT_NATIVE={native[0]['kernels_backend']}): "
+              "predicted training step, cluster network (ms; speedups); mgrit's sequential "
+              f"march on one rank: {native[0]['sequential_march_train'] * 1e3:.2f} ms")
+        print(f"{'P':>5} {'MGRIT':>9} {'vs 1 rank':>9} {'vs layer-wise':>13} "
+              f"{'vs serial':>9} {'vs march':>8}")
+        for r in native:
+            one = r["speedup_vs_one_rank"]
+            print(f"{r['ranks']:>5} {r['mgrit_train'] * 1e3:9.2f} "
+                  f"{'-' if one is None else format(one, '9.2f'):>9} "
+                  f"{r['speedup_vs_layerwise']:13.2f} {r['speedup_vs_serial']:9.2f} "
+                  f"{r['speedup_vs_sequential_march']:8.2f}")
 
 
 def main(argv: list[str]) -> None:
