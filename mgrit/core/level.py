@@ -111,9 +111,10 @@ class Level:
                 build: Callable[[], PhaseSteps]) -> Callable[[], None] | None:
         """Phase `name` of this level, `parallel` of whose steps are independent, as one
         compiled call of the propagator (`CompiledPropagator`), built by `build` at its
-        first use and again when the propagator's key changes; None where the phase runs
-        step by step (no compiled phases, CUDA graphs, another executor, or the propagator
-        declines)."""
+        first use and again when the propagator's key changes (a phase of no steps is a
+        call that does nothing); None where the phase runs step by step (no compiled
+        phases, CUDA graphs, another executor, or the propagator declines). While a cycle
+        is recorded, the program returned records its calls."""
         caps = executor.caps
         if (caps.program_key is None or caps.step_program is None or not executor.compiles
                 or executor.graphs is not None):
