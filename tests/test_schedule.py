@@ -145,9 +145,15 @@ def test_a_key_that_changes_at_the_hook_unlike_its_record_is_an_error(monkeypatc
 
 
 def test_a_phase_run_step_by_step_leaves_nothing_to_replay(monkeypatch):
-    """C-relaxation with a weight other than 1 runs step by step: no cycle is recorded."""
+    """C-relaxation with a weight other than 1 runs step by step: no cycle is replayed, and
+    the cycle is recorded once per rank, not again at every cycle, while the keys hold."""
     config = mgrit.Config(levels=3, coarsening=3, max_iter=4, tol=0.0, c_weight=0.7)
+    records = []
+    original = schedule.Schedule.__init__
+    monkeypatch.setattr(schedule.Schedule, "__init__",
+                        lambda self, key: records.append(1) or original(self, key))
     got, solvers, replayed = _solve_ranks(2, config, True, monkeypatch)
+    assert len(records) == 2
     expected, _, _ = _solve_ranks(2, config, False, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert not replayed and all(s._schedule is None for s in solvers)

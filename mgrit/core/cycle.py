@@ -155,6 +155,9 @@ class Solver:
                          and caps.step_program is not None)
         self._schedule: Schedule | None = None
         self._recording: Schedule | None = None
+        # the record of a cycle that could not be replayed (a phase ran step by step): while
+        # its keys hold, cycles run as they are, not recorded again each time
+        self._declined: Schedule | None = None
 
     # input checks ------------------------------------------------------------
     def _check_guess(self, guess: Tensor) -> None:
@@ -296,9 +299,11 @@ class Solver:
                 schedule.replay()
                 return
             self._schedule = None
-        if not self._records:
+        declined = self._declined
+        if not self._records or (declined is not None and declined.valid()):
             self._cycle(0, kind, first_f=False)
             return
+        self._declined = None
         schedule = self._recording = Schedule(self.caps.program_key)
         for level in self.levels:
             level.recorder = schedule
@@ -310,6 +315,8 @@ class Solver:
                 level.recorder = None
         if schedule.replayable:
             self._schedule = schedule
+        else:
+            self._declined = schedule
 
     def _cycle(self, l: int, kind: str, first_f: bool) -> None:
         level = self.levels[l]
