@@ -16,7 +16,7 @@ compiled call of all its steps (`Level.program`), built once per level and phase
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -49,15 +49,21 @@ def march(level: Level, caps: Capabilities, j_from: int, j_to: int) -> None:
         u[row].copy_(out if g is None else g[row] + out)
 
 
-def _march_steps(level: Level, j_from: int, j_to: int) -> PhaseSteps:
-    """The steps of `march(level, ..., j_from, j_to)`, for a compiled phase."""
+def _updates(level: Level, points: Iterable[int]) -> tuple[list, list]:
+    """The steps u_j = g_j + Phi(u_{j-1}) of a compiled phase for the points j in the order
+    given, and their rows (u_{j-1}, u_j, g_j or None)."""
     u, g = level.row_views()
     steps, rows = [], []
-    for j in range(j_from, j_to + 1):
+    for j in points:
         row = j - level.offset
         steps.append(level.step(j - 1))
         rows.append((u[row - 1], u[row], None if g is None else g[row]))
-    return steps, rows, 1
+    return steps, rows
+
+
+def _march_steps(level: Level, j_from: int, j_to: int) -> PhaseSteps:
+    """The steps of `march(level, ..., j_from, j_to)`, for a compiled phase."""
+    return (*_updates(level, range(j_from, j_to + 1)), 1)
 
 
 def _run_march(level: Level, executor: Executor, name: str, j_from: int, j_to: int) -> None:
@@ -72,16 +78,10 @@ def _run_march(level: Level, executor: Executor, name: str, j_from: int, j_to: i
 def _interval_steps(level: Level, first_c: int) -> PhaseSteps:
     """The steps of F-relaxation over the intervals that begin at the rank's C-points from
     first_c, interval by interval (each one's steps in order)."""
-    u, g = level.row_views()
     m = level.grid.coarsening
-    steps, rows, intervals = [], [], 0
-    for c in range(first_c, level.last + 1, m):
-        intervals += 1
-        for j in range(c + 1, min(c + m - 1, level.last) + 1):
-            row = j - level.offset
-            steps.append(level.step(j - 1))
-            rows.append((u[row - 1], u[row], None if g is None else g[row]))
-    return steps, rows, intervals
+    starts = range(first_c, level.last + 1, m)
+    points = [j for c in starts for j in range(c + 1, min(c + m - 1, level.last) + 1)]
+    return (*_updates(level, points), len(starts))
 
 
 def phi_at(level: Level, executor: Executor, src: Tensor, first: int, stride: int,
@@ -184,14 +184,8 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
 
 def _c_steps(level: Level, first_c: int, count: int) -> PhaseSteps:
     """The steps of C-relaxation (weight 1) at the rank's C-points from first_c."""
-    u, g = level.row_views()
     m = level.grid.coarsening
-    steps, rows = [], []
-    for c in range(first_c, first_c + m * count, m):
-        row = c - level.offset
-        steps.append(level.step(c - 1))
-        rows.append((u[row - 1], u[row], None if g is None else g[row]))
-    return steps, rows, count
+    return (*_updates(level, range(first_c, first_c + m * count, m)), count)
 
 
 def sweep(level: Level, executor: Executor) -> None:
