@@ -363,21 +363,41 @@ def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind
             assert torch.allclose(mine, param.grad, rtol=1e-12, atol=1e-14), (n, name)
 
 
-@pytest.mark.parametrize("kind", ["dense", "conv"])
-def test_recorded_gradients_are_assembled_alike_in_one_scatter_and_batch_by_batch(
-        kind, monkeypatch):
-    """The adjoint's recorded parameter cotangents become the same gradients (to the bit)
-    whether gathered in one scatter per tensor (few values) or written batch by batch."""
-    config = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
-    x, y = data(kind, 4)
-    grads = []
-    for limit in (1 << 30, 0):
-        monkeypatch.setattr(gradients, "_GATHERED_GRADIENTS", limit)
-        model, _ = build(kind, 16, config, config)
-        nn.functional.cross_entropy(model(x), y).backward()
-        grads.append([p.grad for p in model.parameters()])
-    assert len(grads) == 2 and len(grads[0]) == len(grads[1]) > 0
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+@pytest.mark.parametrize("seed", range(6))
+def test_recorded_gradients_are_the_row_by_row_products_whatever_the_batches_layout(seed):
+    """Assembled gradients equal (to the bit) each recorded row times its step size, the
+    later entry of a layer recorded twice counting, for batches that are progressions
+    either way, the F-points of whole intervals (a strided grid), or any order (an index);
+    again when the same batch lists come back (a reused plan) with new cotangents."""
+    g = torch.Generator().manual_seed(seed)
+    model, _ = build("dense", 16)
+    stack = model.layers
+    names = stack.names
+    shapes = {n: stack.params[n.replace(".", "__")].shape[1:] for n in names}
+    layouts = [
+        [list(range(16))],                                               # one progression
+        [[c + k for c in range(0, 16, 4) for k in (1, 2, 3)], list(range(0, 16, 4))],
+        [list(range(15, -1, -2)), list(range(14, -1, -2))],             # descending
+        [torch.randperm(16, generator=g).tolist()],                     # any order
+        [[c + k for c in range(0, 16, 4) for k in (1, 2, 3)] + [0, 4, 8, 12]],  # no grid
+        [list(range(16)), [5, 3, 4], [9]],                              # layers recorded twice
+    ]
+    kinds = [["slice"], ["grid", "slice"], ["slice", "slice"], ["index"], ["index"],
+             ["slice", "index", "slice"]]
+    batches = layouts[seed]
+    dts = [0.25, 0.5, 0.75][:len(batches)] if seed == 5 else [0.375] * len(batches)
+    for _ in range(2):          # the second time the plan of the first is reused
+        recorded = [(batch, {n: torch.randn(len(batch), *shapes[n], dtype=torch.float64,
+                                            generator=g) for n in names}, dt)
+                    for batch, dt in zip(batches, dts)]
+        grads = gradients.layer_gradients(stack, recorded)
+        for n in names:
+            expected = torch.empty(16, *shapes[n], dtype=torch.float64)
+            for batch, cotangents, dt in recorded:
+                for i, layer in enumerate(batch):
+                    expected[layer] = dt * cotangents[n][i]
+            assert torch.equal(grads[n], expected), (seed, n)
+        assert [place[0] for place in gradients._PLANS[stack].places] == kinds[seed]
 
 
 def test_recorded_gradients_take_a_layers_later_entry_and_name_layers_never_reached():

@@ -3,6 +3,8 @@ from what the adjoint solve recorded, and their mean over data-parallel replicas
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -11,9 +13,91 @@ from torch import Tensor, nn
 from ..comm import Comm
 from .stack import LayerStack
 
-# up to this many parameter values on a rank, the recorded gradients are gathered in one
-# scatter per tensor; above, batch by batch (fewer passes over large data)
-_GATHERED_GRADIENTS = 1 << 16
+
+def _progression(rows: list[int]) -> tuple[int, int] | None:
+    """(first, step) where rows is an arithmetic progression of distinct values, else None."""
+    step = rows[1] - rows[0] if len(rows) > 1 else 1
+    if step == 0 or rows != list(range(rows[0], rows[-1] + step, step)):
+        return None
+    return rows[0], step
+
+
+def _grid(rows: list[int]) -> tuple[int, int, int, int, int] | None:
+    """(first, p, q, a, b) where rows[i q + j] = first + i a + j b for i < p, j < q, with
+    a, b > 0 and no row twice (F-relaxation's batches: the F-points of consecutive
+    intervals, interval by interval), else None."""
+    head = _progression(rows[:2])
+    if head is None or head[1] < 0:
+        return None
+    b = head[1]
+    q = 2
+    while q < len(rows) and rows[q] - rows[q - 1] == b:
+        q += 1
+    if len(rows) % q or q == len(rows):
+        return None
+    p, a = len(rows) // q, rows[q] - rows[0]
+    first = rows[0]
+    if a <= 0 or len(set(rows)) != len(rows) or rows != [first + i * a + j * b
+                                                       for i in range(p) for j in range(q)]:
+        return None
+    return first, p, q, a, b
+
+
+class _Plan:
+    """Where a backward solve's recorded batches go in the stacked gradients, worked out
+    once for a sequence of batches: the adjoint's compiled phases record the same layer
+    lists (the same list objects) at every backward pass, and finding a batch's rows in
+    Python costs more than copying its cotangents (a list of a thousand layers). A batch's
+    rows are a strided view of the gradient where they can be (an indexed copy moves data
+    several times slower than a strided one), else an index."""
+
+    __slots__ = ("batches", "once", "places")
+
+    def __init__(self, layers: LayerStack, batches: list[list[int]]) -> None:
+        lo, count = layers.first, layers.count
+        rows = [layer - lo for batch in batches for layer in batch]
+        reached = set(rows)
+        if not reached.issuperset(range(count)):
+            missing = [lo + r for r in sorted(set(range(count)) - reached)]
+            raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+        self.batches = batches        # held, so that identity comparisons stay meaningful
+        self.once = len(rows) == count
+        self.places: list[tuple] = []
+        for batch in batches:
+            local = [layer - lo for layer in batch]
+            line = _progression(local)
+            if line is not None:
+                first, step = line
+                last = local[-1]
+                self.places.append(("slice", slice(min(first, last), max(first, last) + 1,
+                                                   abs(step)), step < 0))
+                continue
+            grid = _grid(local)
+            self.places.append(("grid", *grid) if grid is not None
+                               else ("index", torch.tensor(local)))
+
+    def fits(self, batches: list[list[int]]) -> bool:
+        return len(batches) == len(self.batches) and all(map(operator.is_, batches,
+                                                             self.batches))
+
+
+def _rows(grad: Tensor, place: tuple, cot: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(the rows of `grad` that a batch's cotangents go to, the cotangents shaped alike),
+    or None where they go by index."""
+    kind = place[0]
+    if kind == "slice":
+        return grad[place[1]], (cot.flip(0) if place[2] else cot)
+    if kind == "grid":
+        first, p, q, a, b = place[1:]
+        rest, stride = grad.shape[1:], grad.stride()
+        view = grad.as_strided((p, q, *rest), (a * stride[0], b * stride[0], *stride[1:]),
+                               grad.storage_offset() + first * stride[0])
+        return view, cot.reshape(p, q, *rest)
+    return None
+
+
+# the plan of each stack's latest backward pass
+_PLANS: "weakref.WeakKeyDictionary[LayerStack, _Plan]" = weakref.WeakKeyDictionary()
 
 
 def layer_gradients(layers: LayerStack,
@@ -21,47 +105,41 @@ def layer_gradients(layers: LayerStack,
                     ) -> dict[str, Tensor]:
     """dL/dtheta of the owned layers (parameter name -> stacked gradient), as the adjoint's
     final fine sweep recorded them (its one VJP per layer, at final values, gives both w_n
-    and dL/dtheta_n); where a layer was recorded twice, the later entry counts."""
-    lo, count = layers.first, layers.count
-    rows = [layer - lo for batch, _, _ in recorded for layer in batch]
-    reached = set(rows)
-    if not reached.issuperset(range(count)):
-        missing = [lo + r for r in sorted(set(range(count)) - reached)]
-        raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
+    and dL/dtheta_n); where a layer was recorded twice, the later entry counts. The recorded
+    layer lists must not change once recorded (their rows are worked out once, `_Plan`)."""
+    batches = [batch for batch, _, _ in recorded]
+    plan = _PLANS.get(layers)
+    if plan is None or not plan.fits(batches):
+        plan = _PLANS[layers] = _Plan(layers, batches)
     params = {name: layers.params[name.replace(".", "__")] for name in layers.names}
     dts = {dt for _, _, dt in recorded}
-    values = count * sum(p[0].numel() for p in params.values()) if count else 0
-    if len(rows) == count and len(dts) == 1 and values <= _GATHERED_GRADIENTS:
-        # every layer once, one step size, little data (W2 on many ranks: a few batches
-        # of a few layers): one scatter per tensor instead of a few calls per batch
+    if plan.once and len(dts) == 1:
+        # every layer once, one step size (every compiled backward pass): the cotangents
+        # are copied to their rows and the whole is scaled once, in place; a scaled
+        # temporary per batch would be a fresh allocation the size of the batch's
+        # cotangents, whose first touch costs more than the copy
         dt = dts.pop()
-        index = torch.tensor(rows)
         grads = {}
         for name, param in params.items():
-            parts = [cotangents[name] for _, cotangents, _ in recorded]
-            grad = torch.empty_like(param)
-            grad.index_copy_(0, index.to(param.device),
-                             torch.cat(parts) if len(parts) > 1 else parts[0])
-            grads[name] = grad.mul_(dt)
+            grad = grads[name] = torch.empty_like(param)
+            for (_, cotangents, _), place in zip(recorded, plan.places):
+                cot = cotangents[name]
+                pair = _rows(grad, place, cot)
+                if pair is not None:
+                    pair[0].copy_(pair[1])
+                else:
+                    grad.index_copy_(0, place[1].to(cot.device), cot)
+            grad.mul_(dt)
         return grads
-    # every row is written below; zeroed first only where some row is written twice
-    blank = torch.empty_like if len(rows) == count else torch.zeros_like
-    grads = {name: blank(param) for name, param in params.items()}
-    for batch, cotangents, dt in recorded:
-        first, step = batch[0] - lo, (batch[1] - batch[0] if len(batch) > 1 else 1)
-        if step != 0 and batch == list(range(batch[0], batch[-1] + step, step)):
-            # an arithmetic progression (every batch is): slices, not index tensors
-            at: slice | Tensor = slice(min(first, batch[-1] - lo),
-                                       max(first, batch[-1] - lo) + 1, abs(step))
-            flip = step < 0
-        else:
-            at, flip = torch.tensor(batch) - lo, False
-        for name in grads:
+    grads = {name: torch.zeros_like(param) for name, param in params.items()}
+    for (_, cotangents, dt), place in zip(recorded, plan.places):
+        for name, grad in grads.items():
             cot = cotangents[name]
-            if isinstance(at, slice):
-                torch.mul(cot.flip(0) if flip else cot, dt, out=grads[name][at])
+            pair = _rows(grad, place, cot)
+            if pair is not None:
+                torch.mul(pair[1], dt, out=pair[0])
             else:
-                grads[name][at.to(cot.device)] = dt * cot
+                grad.index_copy_(0, place[1].to(cot.device), dt * cot)
     return grads
 
 
