@@ -81,6 +81,17 @@ def test_non_finite_u0(bad):
     assert prop.calls == 0
 
 
+def test_finite_u0_whose_sum_overflows_is_accepted_and_complex_nan_is_not():
+    big = torch.tensor([3e38, 3e38], dtype=torch.float32)      # finite; the sum is not
+    res = mgrit.solve(Dahlquist(-1.0), big, 8, 0.0, 1.0, mgrit.Config(levels=1))
+    assert torch.isfinite(res.final).all()
+    bad = torch.tensor([1.0, complex(0.0, math.nan)], dtype=torch.complex128)
+    prop = CountingDahlquist()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        mgrit.solve(prop, bad, 8, 0.0, 1.0)
+    assert prop.calls == 0
+
+
 @pytest.mark.parametrize("guess,words", [
     (torch.zeros(8, dtype=torch.float64), r"shape \(8,\).*expected shape \(9,\)"),
     (torch.zeros(9, 1, dtype=torch.float64), "expected shape"),

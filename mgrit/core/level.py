@@ -68,6 +68,11 @@ class Level:
         self.version = 0   # bumped by every change of u, so results computed from it can be reused
         self._rows: tuple[list[Tensor], list[Tensor] | None] | None = None
         self._last_row = self.u[-1] if self.count else None    # what `changed` sends on
+        self._last_v = self.v[-1] if self.count and fas else None   # what `publish_v` sends
+        # the row that holds point 0, the initial value: the rank's own first row, or the
+        # ghost where the rank's first point is point 1; None where it holds neither
+        self.initial_row = (self.u[1] if self.count and self.first == 0 else
+                            self.u[0] if self.count and self.first == 1 else None)
         self._steps: dict[int, Step] = {}
         # compiled relaxation phases by name, with the propagator key they were built for
         self._programs: dict[Hashable, tuple[Hashable, Callable[[], None] | None]] = {}
@@ -75,8 +80,11 @@ class Level:
         self._buffers: dict[Hashable, Tensor] = {}    # outputs of compiled phases
         # which phase moves the boundary points, fixed by the grid: asked at every phase
         self._tags = (2 * self.index + _U_TAG, 2 * self.index + _V_TAG)
-        self._ghost_after_c = self.grid.is_c_point(self.first - 1)
-        self._last_after_c = self.grid.is_c_point(self.last)
+        # the phase (C True, F False) after which the ghost arrives and the last point
+        # leaves; None where there is no previous or next rank
+        self._ghost_on = (None if local.prev_rank is None
+                          else self.grid.is_c_point(self.first - 1))
+        self._send_on = None if local.next_rank is None else self.grid.is_c_point(self.last)
         # the solver's record of the cycle being recorded (`mgrit.core.schedule`), else
         # None: the methods that change u or move messages record themselves in it
         self.recorder: Schedule | None = None
@@ -177,21 +185,35 @@ class Level:
         return self._tags[kind]
 
     # boundary exchange -----------------------------------------------------
+    # Each public method below records, while a cycle is recorded, the private method that
+    # does its work on this rank (or nothing, where the grid sends no message), so that a
+    # replayed cycle makes one Python call per message operation, not three or four.
     def post_ghost(self, c_phase: bool) -> None:
         """Post the receive of the previous rank's last point for this phase."""
-        prev = self.local.prev_rank
-        if prev is not None and self._ghost_after_c == c_phase:
+        if self._ghost_on == c_phase:
             rec = self.recorder
             if rec is not None and not rec.depth:
-                return rec.call(self.post_ghost, c_phase)
-            self.wait_ghost()
-            self._recvs[_U_TAG] = self._receive(_U_TAG, self.u[0], prev).start()
+                return rec.call(self._post_u)
+            self._post_u()
+
+    def _post_u(self) -> None:
+        self._wait(_U_TAG)
+        message = self._recv_init.get(_U_TAG)
+        if message is None:
+            message = self._receive(_U_TAG, self.u[0], self.local.prev_rank)
+        self._recvs[_U_TAG] = message.start()
 
     def wait_ghost(self) -> None:
+        if self.local.prev_rank is None:    # no ghost is ever received
+            return
         rec = self.recorder
         if rec is not None and not rec.depth:
-            return rec.call(self.wait_ghost)
-        req = self._recvs.pop(_U_TAG, None)
+            return rec.call(self._wait, _U_TAG)
+        self._wait(_U_TAG)
+
+    def _wait(self, kind: int) -> None:
+        """Complete the receive of this kind in flight, if any."""
+        req = self._recvs.pop(kind, None)
         if req is not None:
             req.wait()
 
@@ -199,7 +221,10 @@ class Level:
         """u changed: results computed from an earlier version are stale."""
         rec = self.recorder
         if rec is not None and not rec.depth:
-            return rec.call(self.touched)
+            return rec.call(self._touch)
+        self.version += 1
+
+    def _touch(self) -> None:
         self.version += 1
 
     def changed(self, c_phase: bool) -> None:
@@ -207,33 +232,45 @@ class Level:
         send the last point to the next rank if this phase changed it."""
         rec = self.recorder
         if rec is not None and not rec.depth:
-            return rec.call(self.changed, c_phase)
+            return rec.call(self._touch_send if self._send_on == c_phase else self._touch)
         self.version += 1       # `touched`, inlined: this runs at the end of every phase
-        nxt = self.local.next_rank
-        if nxt is not None and self._last_after_c == c_phase:
-            self._send(_U_TAG, self._last_row, nxt)
+        if self._send_on == c_phase:
+            self._send(_U_TAG, self._last_row, self.local.next_rank)
+
+    def _touch_send(self) -> None:
+        self.version += 1
+        self._send(_U_TAG, self._last_row, self.local.next_rank)
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:
             rec = self.recorder
             if rec is not None and not rec.depth:
-                return rec.call(self.post_v_ghost)
-            self._recvs[_V_TAG] = self._receive(_V_TAG, self.v[0], self.local.prev_rank).start()
+                return rec.call(self._post_v)
+            self._post_v()
+
+    def _post_v(self) -> None:
+        message = self._recv_init.get(_V_TAG)
+        if message is None:
+            message = self._receive(_V_TAG, self.v[0], self.local.prev_rank)
+        self._recvs[_V_TAG] = message.start()
 
     def wait_v_ghost(self) -> None:
+        if self.local.prev_rank is None:
+            return
         rec = self.recorder
         if rec is not None and not rec.depth:
-            return rec.call(self.wait_v_ghost)
-        req = self._recvs.pop(_V_TAG, None)
-        if req is not None:
-            req.wait()
+            return rec.call(self._wait, _V_TAG)
+        self._wait(_V_TAG)
 
     def publish_v(self) -> None:
         if self.local.next_rank is not None:
             rec = self.recorder
             if rec is not None and not rec.depth:
-                return rec.call(self.publish_v)
-            self._send(_V_TAG, self.v[-1], self.local.next_rank)
+                return rec.call(self._publish_v)
+            self._publish_v()
+
+    def _publish_v(self) -> None:
+        self._send(_V_TAG, self._last_v, self.local.next_rank)
 
     def _send(self, kind: int, value: Tensor, dest: int) -> None:
         previous = self._sends.pop(kind, None)
@@ -257,6 +294,8 @@ class Level:
 
     def drain(self) -> None:
         """Complete every message of this level still in flight."""
+        if self.local.prev_rank is None and self.local.next_rank is None:
+            return      # a rank alone on the level: no message is ever in flight
         rec = self.recorder
         if rec is not None and not rec.depth:
             return rec.call(self.drain)
