@@ -75,9 +75,13 @@ class _MPIPersistent:
         self.req.Wait()
 
     def free(self) -> None:
+        if not self.req:
+            # freed already (by `_free_persistent` at exit): at interpreter shutdown,
+            # where `__del__` runs last, not even an import works
+            return
         from mpi4py import MPI
 
-        if self.req and not MPI.Is_finalized():
+        if not MPI.Is_finalized():
             self.req.Wait()       # a started request completes before it is freed
             self.req.Free()
 
