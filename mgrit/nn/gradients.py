@@ -51,7 +51,7 @@ class _Plan:
     rows are a strided view of the gradient where they can be (an indexed copy moves data
     several times slower than a strided one), else an index."""
 
-    __slots__ = ("batches", "once", "places")
+    __slots__ = ("batches", "once", "places", "_buffers")
 
     def __init__(self, layers: LayerStack, batches: list[list[int]]) -> None:
         lo, count = layers.first, layers.count
@@ -75,6 +75,15 @@ class _Plan:
             grid = _grid(local)
             self.places.append(("grid", *grid) if grid is not None
                                else ("index", torch.tensor(local)))
+        self._buffers: dict[tuple[int, str], Tensor] = {}
+
+    def buffer(self, k: int, name: str, like: Tensor) -> Tensor:
+        """A tensor like `like` kept for batch k's cotangents of parameter `name`."""
+        buf = self._buffers.get((k, name))
+        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
+                or buf.device != like.device):
+            buf = self._buffers[(k, name)] = torch.empty_like(like)
+        return buf
 
     def fits(self, batches: list[list[int]]) -> bool:
         return len(batches) == len(self.batches) and all(map(operator.is_, batches,
@@ -112,34 +121,20 @@ def layer_gradients(layers: LayerStack,
     if plan is None or not plan.fits(batches):
         plan = _PLANS[layers] = _Plan(layers, batches)
     params = {name: layers.params[name.replace(".", "__")] for name in layers.names}
-    dts = {dt for _, _, dt in recorded}
-    if plan.once and len(dts) == 1:
-        # every layer once, one step size (every compiled backward pass): the cotangents
-        # are copied to their rows and the whole is scaled once, in place; a scaled
-        # temporary per batch would be a fresh allocation the size of the batch's
-        # cotangents, whose first touch costs more than the copy
-        dt = dts.pop()
-        grads = {}
-        for name, param in params.items():
-            grad = grads[name] = torch.empty_like(param)
-            for (_, cotangents, _), place in zip(recorded, plan.places):
-                cot = cotangents[name]
-                pair = _rows(grad, place, cot)
-                if pair is not None:
-                    pair[0].copy_(pair[1])
-                else:
-                    grad.index_copy_(0, place[1].to(cot.device), cot)
-            grad.mul_(dt)
-        return grads
-    grads = {name: torch.zeros_like(param) for name, param in params.items()}
-    for (_, cotangents, dt), place in zip(recorded, plan.places):
+    # every row is written below; zeroed first only where some row is written twice
+    blank = torch.empty_like if plan.once else torch.zeros_like
+    grads = {name: blank(param) for name, param in params.items()}
+    for k, ((_, cotangents, dt), place) in enumerate(zip(recorded, plan.places)):
         for name, grad in grads.items():
             cot = cotangents[name]
             pair = _rows(grad, place, cot)
             if pair is not None:
                 torch.mul(pair[1], dt, out=pair[0])
             else:
-                grad.index_copy_(0, place[1].to(cot.device), dt * cot)
+                # scaled in a buffer kept with the plan: a fresh temporary the size of the
+                # batch's cotangents costs its first touch at every pass
+                grad.index_copy_(0, place[1].to(cot.device),
+                                 torch.mul(cot, dt, out=plan.buffer(k, name, cot)))
     return grads
 
 
