@@ -16,6 +16,8 @@ from .stack import LayerStack
 
 def _progression(rows: list[int]) -> tuple[int, int] | None:
     """(first, step) where rows is an arithmetic progression of distinct values, else None."""
+    if not rows:
+        return None
     step = rows[1] - rows[0] if len(rows) > 1 else 1
     if step == 0 or rows != list(range(rows[0], rows[-1] + step, step)):
         return None
@@ -74,7 +76,7 @@ class _Plan:
                 continue
             grid = _grid(local)
             self.places.append(("grid", *grid) if grid is not None
-                               else ("index", torch.tensor(local)))
+                               else ("index", torch.tensor(local, dtype=torch.long)))
         self._buffers: dict[tuple[int, str], Tensor] = {}
 
     def buffer(self, k: int, name: str, like: Tensor) -> Tensor:
