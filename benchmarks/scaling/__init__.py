@@ -10,7 +10,8 @@ model parallelism are modelled from measured per-layer costs of the plain networ
 replayed the same way (`serial`). The study (`study`) checks the model against 1 and 2 real
 MPI ranks first (`validation`). `cases` holds what all of them run.
 
-    python -m benchmarks.scaling OUT_DIR      writes OUT_DIR/scaling.json and OUT_DIR/scaling.png
+    python -m benchmarks.scaling OUT_DIR      writes OUT_DIR/scaling.json and
+                                              OUT_DIR/figures/scaling.png
     python -m benchmarks.scaling OUT_DIR --cases w4[,w5,w4-1024] [--ranks 1,2,...]
                                               the transformers' curves alone, checked on 1 and
                                               2 MPI ranks first (OUT_DIR/scaling-CASES.json)

@@ -1,7 +1,8 @@
 """The scaling study: predicted speedups of layer-parallel training past this machine
 (docs/design.md, section 7; docs/scaling.md), written to OUT_DIR/scaling.json and
-OUT_DIR/scaling.png, with its tables printed; with `--cases`, the named transformer cases
-alone (`TRANSFORMER_CURVES`), written to OUT_DIR/scaling-CASES.json and .png."""
+OUT_DIR/figures/scaling.png, with its tables printed; with `--cases`, the named transformer
+cases alone (`TRANSFORMER_CURVES`), written to OUT_DIR/scaling-CASES.json and
+OUT_DIR/figures/scaling-CASES.png."""
 
 from __future__ import annotations
 
@@ -298,5 +299,7 @@ def main(argv: list[str]) -> None:
     result = transformer_study(names, ranks) if names else study()
     stem = "scaling-" + "-".join(names) if names else "scaling"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / f"{stem}.png")
+    # beside the other figures the docs show (docs/results/figures)
+    (args.out / "figures").mkdir(exist_ok=True)
+    plot(result, args.out / "figures" / f"{stem}.png")
     print_tables(result)
