@@ -185,31 +185,31 @@ class Level:
         return self._tags[kind]
 
     # boundary exchange -----------------------------------------------------
-    # Each public method below records, while a cycle is recorded, the private method that
-    # does its work on this rank (or nothing, where the grid sends no message), so that a
-    # replayed cycle makes one Python call per message operation, not three or four.
+    # Each public method below does its work on this rank through a private method (or does
+    # nothing, where the grid sends no message), by `_do`: while a cycle is recorded, the
+    # private method is the call recorded, so that a replayed cycle makes one Python call
+    # per message operation.
+    def _do(self, fn: Callable[..., None], *args: object) -> None:
+        """fn(*args), recorded as one call of the cycle being recorded, if any (not where
+        it is made inside a recorded call)."""
+        rec = self.recorder
+        if rec is not None and not rec.depth:
+            rec.call(fn, *args)
+        else:
+            fn(*args)
+
     def post_ghost(self, c_phase: bool) -> None:
         """Post the receive of the previous rank's last point for this phase."""
         if self._ghost_on == c_phase:
-            rec = self.recorder
-            if rec is not None and not rec.depth:
-                return rec.call(self._post_u)
-            self._post_u()
+            self._do(self._post_u)
 
     def _post_u(self) -> None:
         self._wait(_U_TAG)
-        message = self._recv_init.get(_U_TAG)
-        if message is None:
-            message = self._receive(_U_TAG, self.u[0], self.local.prev_rank)
-        self._recvs[_U_TAG] = message.start()
+        self._recvs[_U_TAG] = self._receive(_U_TAG).start()
 
     def wait_ghost(self) -> None:
-        if self.local.prev_rank is None:    # no ghost is ever received
-            return
-        rec = self.recorder
-        if rec is not None and not rec.depth:
-            return rec.call(self._wait, _U_TAG)
-        self._wait(_U_TAG)
+        if self.local.prev_rank is not None:    # else no ghost is ever received
+            self._do(self._wait, _U_TAG)
 
     def _wait(self, kind: int) -> None:
         """Complete the receive of this kind in flight, if any."""
@@ -219,10 +219,7 @@ class Level:
 
     def touched(self) -> None:
         """u changed: results computed from an earlier version are stale."""
-        rec = self.recorder
-        if rec is not None and not rec.depth:
-            return rec.call(self._touch)
-        self.version += 1
+        self._do(self._touch)
 
     def _touch(self) -> None:
         self.version += 1
@@ -230,12 +227,7 @@ class Level:
     def changed(self, c_phase: bool) -> None:
         """End of a phase that changed u (its C-points or F-points): count a new version and
         send the last point to the next rank if this phase changed it."""
-        rec = self.recorder
-        if rec is not None and not rec.depth:
-            return rec.call(self._touch_send if self._send_on == c_phase else self._touch)
-        self.version += 1       # `touched`, inlined: this runs at the end of every phase
-        if self._send_on == c_phase:
-            self._send(_U_TAG, self._last_row, self.local.next_rank)
+        self._do(self._touch_send if self._send_on == c_phase else self._touch)
 
     def _touch_send(self) -> None:
         self.version += 1
@@ -243,31 +235,18 @@ class Level:
 
     def post_v_ghost(self) -> None:
         if self.local.prev_rank is not None:
-            rec = self.recorder
-            if rec is not None and not rec.depth:
-                return rec.call(self._post_v)
-            self._post_v()
+            self._do(self._post_v)
 
     def _post_v(self) -> None:
-        message = self._recv_init.get(_V_TAG)
-        if message is None:
-            message = self._receive(_V_TAG, self.v[0], self.local.prev_rank)
-        self._recvs[_V_TAG] = message.start()
+        self._recvs[_V_TAG] = self._receive(_V_TAG).start()
 
     def wait_v_ghost(self) -> None:
-        if self.local.prev_rank is None:
-            return
-        rec = self.recorder
-        if rec is not None and not rec.depth:
-            return rec.call(self._wait, _V_TAG)
-        self._wait(_V_TAG)
+        if self.local.prev_rank is not None:
+            self._do(self._wait, _V_TAG)
 
     def publish_v(self) -> None:
         if self.local.next_rank is not None:
-            rec = self.recorder
-            if rec is not None and not rec.depth:
-                return rec.call(self._publish_v)
-            self._publish_v()
+            self._do(self._publish_v)
 
     def _publish_v(self) -> None:
         self._send(_V_TAG, self._last_v, self.local.next_rank)
@@ -284,21 +263,22 @@ class Level:
         buf.copy_(value)
         self._sends[kind] = self._send_init[kind].start()
 
-    def _receive(self, kind: int, buf: Tensor, source: int) -> Persistent:
-        """The persistent receive of a kind of boundary value (set up at its first use)."""
+    def _receive(self, kind: int) -> Persistent:
+        """The persistent receive of a kind of boundary value into its ghost row (set up at
+        its first use)."""
         message = self._recv_init.get(kind)
         if message is None:
-            message = self._recv_init[kind] = recv_init(self.comm, buf, source,
+            buf = self.u[0] if kind == _U_TAG else self.v[0]
+            message = self._recv_init[kind] = recv_init(self.comm, buf, self.local.prev_rank,
                                                         self._tags[kind])
         return message
 
     def drain(self) -> None:
         """Complete every message of this level still in flight."""
-        if self.local.prev_rank is None and self.local.next_rank is None:
-            return      # a rank alone on the level: no message is ever in flight
-        rec = self.recorder
-        if rec is not None and not rec.depth:
-            return rec.call(self.drain)
+        if self.local.prev_rank is not None or self.local.next_rank is not None:
+            self._do(self._drain)   # else a rank alone on the level: none is ever in flight
+
+    def _drain(self) -> None:
         for req in list(self._recvs.values()) + list(self._sends.values()):
             req.wait()
         self._recvs.clear()

@@ -28,10 +28,9 @@ def _grid(rows: list[int]) -> tuple[int, int, int, int, int] | None:
     """(first, p, q, a, b) where rows[i q + j] = first + i a + j b for i < p, j < q, with
     a, b > 0 and no row twice (F-relaxation's batches: the F-points of consecutive
     intervals, interval by interval), else None."""
-    head = _progression(rows[:2])
-    if head is None or head[1] < 0:
+    if len(rows) < 2 or rows[1] <= rows[0]:
         return None
-    b = head[1]
+    b = rows[1] - rows[0]
     q = 2
     while q < len(rows) and rows[q] - rows[q - 1] == b:
         q += 1
