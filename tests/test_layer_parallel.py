@@ -363,12 +363,14 @@ def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind
             assert torch.allclose(mine, param.grad, rtol=1e-12, atol=1e-14), (n, name)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(7))
 def test_recorded_gradients_are_the_row_by_row_products_whatever_the_batches_layout(seed):
     """Assembled gradients equal (to the bit) each recorded row times its step size, the
     later entry of a layer recorded twice counting, for batches that are progressions
-    either way, the F-points of whole intervals (a strided grid), or any order (an index);
-    again when the same batch lists come back (a reused plan) with new cotangents."""
+    either way, the F-points of whole intervals (a strided grid, also with a few rows
+    before and after it, as a rank records the end of an interval begun on the rank
+    before), or any order (an index); again when the same batch lists come back (a reused
+    plan) with new cotangents."""
     g = torch.Generator().manual_seed(seed)
     model, _ = build("dense", 16)
     stack = model.layers
@@ -381,9 +383,10 @@ def test_recorded_gradients_are_the_row_by_row_products_whatever_the_batches_lay
         [torch.randperm(16, generator=g).tolist()],                     # any order
         [[c + k for c in range(0, 16, 4) for k in (1, 2, 3)] + [0, 4, 8, 12]],  # no grid
         [list(range(16)), [5, 3, 4], [9]],                              # layers recorded twice
+        [[0] + [c + k for c in (1, 5, 9) for k in (1, 2, 3)] + [14, 15], [1, 5, 9, 13]],
     ]
     kinds = [["slice"], ["grid", "slice"], ["slice", "slice"], ["index"], ["index"],
-             ["slice", "index", "slice"]]
+             ["slice", "index", "slice"], ["slice", "grid", "slice", "slice"]]
     batches = layouts[seed]
     dts = [0.25, 0.5, 0.75][:len(batches)] if seed == 5 else [0.375] * len(batches)
     for _ in range(2):          # the second time the plan of the first is reused

@@ -44,6 +44,40 @@ def _grid(rows: list[int]) -> tuple[int, int, int, int, int] | None:
     return first, p, q, a, b
 
 
+def _place(local: list[int]) -> tuple | None:
+    """Where rows `local` of the gradient are as one strided view: ("slice", slice,
+    descending) or ("grid", first, p, q, a, b); None if they are neither."""
+    line = _progression(local)
+    if line is not None:
+        first, step = line
+        last = local[-1]
+        return "slice", slice(min(first, last), max(first, last) + 1, abs(step)), step < 0
+    grid = _grid(local)
+    return None if grid is None else ("grid", *grid)
+
+
+def _pieces(local: list[int]) -> list[tuple[int, int, tuple]]:
+    """A batch's rows as (start, stop, place) runs: the whole batch as one view where it is
+    one; else a view of all but a few rows at either end (a rank whose first interval began
+    on the rank before records that interval's last F-points with its own intervals), those
+    few rows each a view too; else one index of them all."""
+    whole = _place(local)
+    if whole is not None:
+        return [(0, len(local), whole)]
+    n = len(local)
+    if len(set(local)) == n:          # distinct rows: the pieces' order does not matter
+        for head, tail in sorted(((h, t) for h in range(4) for t in range(4) if h or t),
+                                 key=sum):
+            middle = _place(local[head: n - tail]) if n - head - tail >= 2 else None
+            if middle is None or middle[0] != "grid":
+                continue
+            runs = [(a, b, _place(local[a:b])) for a, b in ((0, head), (head, n - tail),
+                                                             (n - tail, n)) if b > a]
+            if all(place is not None for _, _, place in runs):
+                return runs
+    return [(0, n, ("index", torch.tensor(local, dtype=torch.long)))]
+
+
 class _Plan:
     """Where a backward solve's recorded batches go in the stacked gradients, worked out
     once for a sequence of batches: the adjoint's compiled phases record the same layer
@@ -52,7 +86,7 @@ class _Plan:
     rows are a strided view of the gradient where they can be (an indexed copy moves data
     several times slower than a strided one), else an index."""
 
-    __slots__ = ("batches", "once", "places", "_buffers")
+    __slots__ = ("batches", "once", "pieces", "places", "_buffers")
 
     def __init__(self, layers: LayerStack, batches: list[list[int]]) -> None:
         lo, count = layers.first, layers.count
@@ -63,23 +97,18 @@ class _Plan:
             raise RuntimeError(f"the adjoint's final fine sweep did not reach layers {missing}")
         self.batches = batches        # held, so that identity comparisons stay meaningful
         self.once = len(rows) == count
-        self.places: list[tuple] = []
-        for batch in batches:
+        # one piece per run of a batch's rows that goes to the gradient in one copy:
+        # (batch, first row of the batch, end row, where the rows go)
+        self.pieces: list[tuple[int, int, int, tuple]] = []
+        for k, batch in enumerate(batches):
             local = [layer - lo for layer in batch]
-            line = _progression(local)
-            if line is not None:
-                first, step = line
-                last = local[-1]
-                self.places.append(("slice", slice(min(first, last), max(first, last) + 1,
-                                                   abs(step)), step < 0))
-                continue
-            grid = _grid(local)
-            self.places.append(("grid", *grid) if grid is not None
-                               else ("index", torch.tensor(local, dtype=torch.long)))
+            for start, stop, place in _pieces(local):
+                self.pieces.append((k, start, stop, place))
+        self.places = [piece[3] for piece in self.pieces]
         self._buffers: dict[tuple[int, str], Tensor] = {}
 
     def buffer(self, k: int, name: str, like: Tensor) -> Tensor:
-        """A tensor like `like` kept for batch k's cotangents of parameter `name`."""
+        """A tensor like `like` kept for piece k's cotangents of parameter `name`."""
         buf = self._buffers.get((k, name))
         if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
                 or buf.device != like.device):
@@ -125,9 +154,11 @@ def layer_gradients(layers: LayerStack,
     # every row is written below; zeroed first only where some row is written twice
     blank = torch.empty_like if plan.once else torch.zeros_like
     grads = {name: blank(param) for name, param in params.items()}
-    for k, ((_, cotangents, dt), place) in enumerate(zip(recorded, plan.places)):
+    for piece, (k, start, stop, place) in enumerate(plan.pieces):
+        _, cotangents, dt = recorded[k]
+        whole = start == 0 and stop == len(recorded[k][0])
         for name, grad in grads.items():
-            cot = cotangents[name]
+            cot = cotangents[name] if whole else cotangents[name][start:stop]
             pair = _rows(grad, place, cot)
             if pair is not None:
                 torch.mul(pair[1], dt, out=pair[0])
@@ -135,7 +166,7 @@ def layer_gradients(layers: LayerStack,
                 # scaled in a buffer kept with the plan: a fresh temporary the size of the
                 # batch's cotangents costs its first touch at every pass
                 grad.index_copy_(0, place[1].to(cot.device),
-                                 torch.mul(cot, dt, out=plan.buffer(k, name, cot)))
+                                 torch.mul(cot, dt, out=plan.buffer(piece, name, cot)))
     return grads
 
 
