@@ -7,6 +7,7 @@ import torch
 
 import mgrit
 from mgrit.problems import Dahlquist, DenseResNet, Heat1D
+from mgrit.comm.virtual import run_ranks
 from mgrit.core.propagator import StepBatch
 
 from cases import heat_problem
@@ -111,3 +112,104 @@ def test_heat_solution_converges_to_the_pde_solution_at_first_order_in_time():
         errors.append(float((final - torch.sin(math.pi * prop.x) * math.cos(1.0)).abs().max()))
     orders = [math.log2(errors[i] / errors[i + 1]) for i in range(2)]
     assert all(0.85 < p < 1.15 for p in orders), orders
+
+
+class _SteppedDahlquist(Dahlquist):
+    """Dahlquist without compiled marches: every step of a march is a call of its own."""
+
+    step_program = None
+    program_key = None
+
+
+def _counted(prop: Dahlquist) -> list[int]:
+    """Count the propagator's single steps into a list of one."""
+    calls = [0]
+    step_into = prop.step_into
+
+    def counting(u, s, out, g):
+        calls[0] += 1
+        step_into(u, s, out, g)
+
+    prop.step_into = counting
+    return calls
+
+
+@pytest.mark.parametrize("method", ["backward_euler", "forward_euler"])
+@pytest.mark.parametrize("forcing", [True, False])
+def test_dahlquist_compiled_march_is_the_step_by_step_march_to_the_bit(method, forcing):
+    """A compiled march (a real float64 scalar) against `step_into` one step at a time:
+    random states, forcing and step sizes, each step reading what the one before wrote."""
+    g = torch.Generator().manual_seed(7)
+    prop = Dahlquist(-1.7, method=method)
+    n = 23
+    u = torch.randn(n + 1, dtype=torch.float64, generator=g)
+    rhs = torch.randn(n + 1, dtype=torch.float64, generator=g) if forcing else None
+    steps = [mgrit.Step(2, k, 4 * k, 0.1 * k, float(dt))
+             for k, dt in enumerate(torch.rand(n, generator=g, dtype=torch.float64) * 0.3)]
+    rows = [(u[k], u[k + 1], None if rhs is None else rhs[k + 1]) for k in range(n)]
+    expected = u.clone()
+    for k, s in enumerate(steps):
+        prop.step_into(expected[k], s, expected[k + 1], None if rhs is None else rhs[k + 1])
+    program = prop.step_program(steps, rows, 1)
+    assert program is not None
+    program()
+    assert torch.equal(u, expected)
+    program()                      # a program runs again on what its rows hold now
+    for k, s in enumerate(steps):
+        prop.step_into(expected[k], s, expected[k + 1], None if rhs is None else rhs[k + 1])
+    assert torch.equal(u, expected)
+
+
+def test_dahlquist_compiles_no_other_phase():
+    """Batched phases, other dtypes, complex factors, vector states, rows that do not chain
+    or not evenly spaced, and forcing on some steps only run step by step."""
+    s = mgrit.Step(0, 0, 0, 0.0, 0.1)
+    u = torch.zeros(5, dtype=torch.float64)
+    chain = [(u[k], u[k + 1], None) for k in range(4)]
+    real = Dahlquist(-1.0)
+    assert real.program_key(1, 4) is None and real.program_key(3, 1) is not None
+    assert real.program_key(0, 1) is None           # level 0 marches once per cycle at most
+    assert real.step_program([s] * 4, chain, 4) is None
+    assert real.step_program([s] * 4, chain, 1) is not None
+    u32 = u.float()
+    assert real.step_program([s] * 4, [(u32[k], u32[k + 1], None) for k in range(4)], 1) is None
+    c = torch.zeros(5, dtype=torch.complex128)
+    assert Dahlquist(-1 + 2j).step_program([s] * 4, [(c[k], c[k + 1], None)
+                                                     for k in range(4)], 1) is None
+    v = torch.zeros(5, 2, dtype=torch.float64)
+    assert real.step_program([s] * 4, [(v[k], v[k + 1], None) for k in range(4)], 1) is None
+    apart = [(u[0], u[1], None), (u[2], u[3], None)]                 # u[1] is not read
+    assert real.step_program([s] * 2, apart, 1) is None
+    w = torch.zeros(8, dtype=torch.float64)
+    uneven = [(w[0], w[1], None), (w[1], w[3], None)]
+    assert real.step_program([s] * 2, uneven, 1) is None
+    g = torch.ones(5, dtype=torch.float64)
+    partly = [(u[0], u[1], g[1]), (u[1], u[2], None)]
+    assert real.step_program([s] * 2, partly, 1) is None
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("config", [
+    mgrit.Config(levels=5, coarsening=4, relax="FCF", tol=1e-10, max_iter=30),
+    mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), cycle="F", tol=0.0, max_iter=4,
+                 min_coarse=1),
+], ids=["W0-like", "F-cycle"])
+def test_dahlquist_solves_with_compiled_marches_give_the_step_by_step_bits(ranks, config):
+    """Whole solves of a float64 scalar on 1-3 ranks: the same residuals, states and final
+    value as with every march step by step, and the coarse levels' marches did run compiled
+    (fewer single steps are taken)."""
+    num_steps = 1000
+
+    def program(comm, cls):
+        prop = cls(-1.0)
+        calls = _counted(prop)
+        res = mgrit.solve(prop, torch.tensor(1.0, dtype=torch.float64), num_steps, 0.0, 50.0,
+                          config, comm=comm)
+        return res.residuals, res.states.clone(), res.final.clone(), calls[0]
+
+    compiled = run_ranks(ranks, lambda comm: program(comm, Dahlquist))
+    stepped = run_ranks(ranks, lambda comm: program(comm, _SteppedDahlquist))
+    for (r1, s1, f1, n1), (r2, s2, f2, n2) in zip(compiled, stepped):
+        assert r1 == r2
+        assert torch.equal(s1, s2) and torch.equal(f1, f2)
+        assert n2 > 0 and n1 < n2
