@@ -16,6 +16,7 @@ from mgrit import Config
 from mgrit.app.replay import Interconnect
 from mgrit.nn.defaults import CYCLES
 
+from ..workloads import TrainingWorkload
 from .cases import CURVES
 from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from .virtual import predict, work_traces
@@ -39,14 +40,18 @@ def config(direction: str, levels: int, coarsening: int | tuple[int, ...],
                   max_iter=CYCLES[direction], tol=0.0, min_coarse=1)
 
 
+def variant_work(name: str) -> TrainingWorkload:
+    """W2's training step (the study's curve) with hierarchy `name` in both solves."""
+    levels, coarsening, relax = VARIANTS[name]
+    base = CURVES["w2"].work()
+    return replace(base, forward=config("forward", levels, coarsening, relax),
+                   backward=config("backward", levels, coarsening, relax))
+
+
 def variant_point(name: str, ranks: int, network: Interconnect, repeats: int = 3,
                   warmup: int = 3) -> dict[str, Any]:
     """The prediction of W2's step with hierarchy `name` on `ranks` virtual ranks."""
-    levels, coarsening, relax = VARIANTS[name]
-    base = CURVES["w2"].work()
-    work = replace(base, forward=config("forward", levels, coarsening, relax),
-                   backward=config("backward", levels, coarsening, relax))
-    return predict(work_traces(work, ranks, repeats, warmup), network)
+    return predict(work_traces(variant_work(name), ranks, repeats, warmup), network)
 
 
 def main(argv: list[str] | None = None) -> None:
