@@ -153,26 +153,31 @@ def virtual_traces(case: ScalingCase, ranks: int, repeats: int = 3, warmup: int 
 def work_traces(work: TrainingWorkload, ranks: int, repeats: int = 3, warmup: int = 3,
                 kernels: KernelCosts | None = None) -> list[list[list[Event]]]:
     """`virtual_traces` of a training workload (any network and solver settings)."""
-    net, layers, x, y = setup(work)
-
-    def program(comm: Comm) -> list[list[Event]]:
-        tracer = Tracer(time.thread_time)
-        if kernels is not None:
-            kernels.attach(tracer)
-        model = shared_model(work, net, layers, TracingComm(comm, tracer))
-        step = traced_step(model, work, x, y, tracer)
-        for _ in range(warmup):
-            step()
-        traces = []
-        for _ in range(repeats):
-            tracer.start()
-            step()
-            traces.append(tracer.stop())
-        return traces
-
+    built = setup(work)
     with kernels or contextlib.nullcontext():
-        by_rank = run_ranks(ranks, program)
+        by_rank = run_ranks(ranks, lambda comm: rank_traces(work, built, comm, repeats, warmup,
+                                                            kernels))
     return [[by_rank[r][k] for r in range(ranks)] for k in range(repeats)]
+
+
+def rank_traces(work: TrainingWorkload, built: tuple, comm: Comm, repeats: int, warmup: int,
+                kernels: KernelCosts | None = None) -> list[list[Event]]:
+    """One rank's traces of `repeats` training steps on `comm`, after `warmup` untraced
+    ones, its compute timed on its thread's CPU clock; `built`: what `setup(work)` gave."""
+    net, layers, x, y = built
+    tracer = Tracer(time.thread_time)
+    if kernels is not None:
+        kernels.attach(tracer)
+    model = shared_model(work, net, layers, TracingComm(comm, tracer))
+    step = traced_step(model, work, x, y, tracer)
+    for _ in range(warmup):
+        step()
+    traces = []
+    for _ in range(repeats):
+        tracer.start()
+        step()
+        traces.append(tracer.stop())
+    return traces
 
 
 def virtual_solve_traces(ranks: int, repeats: int = 7, warmup: int = 10

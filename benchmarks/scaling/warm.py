@@ -24,19 +24,16 @@ import argparse
 import gc
 import json
 import statistics
-import time
 from collections import deque
 from typing import Any
 
 from torch import Tensor
 
 from mgrit.app.replay import Event, Interconnect, replay
-from mgrit.comm.tracing import Tracer, TracingComm
 from mgrit.comm.virtual import run_ranks
 
-from ..workloads import TrainingWorkload
 from . import virtual
-from .cases import CURVES, setup, shared_model, traced_step
+from .cases import CURVES, setup
 from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from .validation import launch_validation, network_from
 
@@ -171,23 +168,6 @@ class ReplayComm:
         return ReplayComm(self._dups.popleft(), self.rank, self.size)
 
 
-def _steps(work: TrainingWorkload, comm: Any, repeats: int, warmup: int
-           ) -> list[list[Event]]:
-    """Traces of `repeats` training steps on `comm`, after `warmup` untraced ones."""
-    net, layers, x, y = setup(work)
-    tracer = Tracer(time.thread_time)
-    model = shared_model(work, net, layers, TracingComm(comm, tracer))
-    step = traced_step(model, work, x, y, tracer)
-    for _ in range(warmup):
-        step()
-    traces = []
-    for _ in range(repeats):
-        tracer.start()
-        step()
-        traces.append(tracer.stop())
-    return traces
-
-
 def _same_events(a: list[Event], b: list[Event]) -> bool:
     """Whether two traces of a rank hold the same messages, collectives and marks in the
     same order (compute spans aside)."""
@@ -200,9 +180,10 @@ def traces(case: str, ranks: int, repeats: int = 3, warmup: int = 3
     each rank run again alone with what it received (in this process: `virtual.fresh`
     gives a clean one)."""
     work = CURVES[case].work()
+    built = setup(work)
     received = [Received() for _ in range(ranks)]
-    by_rank = run_ranks(ranks, lambda comm: _steps(
-        work, RecordingComm(comm, received[comm.rank]), repeats, warmup))
+    by_rank = run_ranks(ranks, lambda comm: virtual.rank_traces(
+        work, built, RecordingComm(comm, received[comm.rank]), repeats, warmup))
     cold = [[by_rank[r][k] for r in range(ranks)] for k in range(repeats)]
     warm_by_rank = []
     collecting = gc.isenabled()
@@ -210,7 +191,9 @@ def traces(case: str, ranks: int, repeats: int = 3, warmup: int = 3
     try:
         for r in range(ranks):
             gc.collect()
-            alone = _steps(work, ReplayComm(received[r], r, ranks), repeats, warmup)
+            # its own copy of the network, as in a process of its own
+            alone = virtual.rank_traces(work, setup(work), ReplayComm(received[r], r, ranks),
+                                        repeats, warmup)
             for k in range(repeats):
                 if not _same_events(alone[k], cold[k][r]):
                     raise RuntimeError(f"rank {r} alone did not repeat its events of the "
