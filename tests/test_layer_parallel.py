@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import mgrit
+from mgrit.comm.virtual import run_ranks
 from mgrit.nn import gradients
 
 from nets import INEXACT_CASES, build, data, inexact_training, owned_pairs, relative
@@ -187,7 +188,7 @@ def test_batch_shapes_that_differ_between_ranks_fail_everywhere(mpi):
     run = mpi("layer_parallel.py", 3, "bad-batch", timeout=60)
     assert run.returncode == 0, run.stderr
     for rep in run.by_rank().values():
-        assert "input batch shape and dtype, and context inputs differ between ranks" in rep["results"]["error"]
+        assert "input batch shape and dtype, whether it requires grad, and context inputs differ between ranks" in rep["results"]["error"]
 
 
 def test_no_grad_forward_does_not_disturb_the_pending_backward():
@@ -584,3 +585,53 @@ def test_warm_starts_change_both_solves_and_bring_them_closer():
                         "backward": model.stats["backward"]["residuals"][-1]}
     for key in ("output", "input_grad", "forward", "backward"):
         assert errors[True][key] < 0.5 * errors[False][key], (key, errors)
+
+
+def _dense_on_ranks(comm, opening):
+    torch.manual_seed(3)
+    config = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), max_iter=2, tol=0.0,
+                          min_coarse=1)
+    return mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 12, 1.0,
+                               forward=config, backward=config, comm=comm, opening=opening,
+                               closing=nn.Linear(4, 2)).double()
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_the_backward_pass_broadcasts_dl_du0_only_where_something_needs_it(ranks):
+    """Without an opening layer or an input that requires grad, the adjoint solve's final
+    state (dL/du0) is not broadcast: one collective fewer per backward pass on every rank,
+    and the same parameter gradients to the bit as with an input that requires grad (whose
+    gradient is still there, equal on every rank)."""
+    from mgrit.comm.tracing import Tracer, TracingComm
+
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1, 0, 1])
+
+    def program(comm, needs):
+        tracer = Tracer()
+        model = _dense_on_ranks(TracingComm(comm, tracer), None)
+        given = x.clone().requires_grad_(needs)
+        loss = nn.functional.cross_entropy(model(given), y)
+        tracer.start()
+        loss.backward()
+        events = tracer.stop()
+        bcasts = sum(1 for e in events if e[0] == "collective" and e[1] == "bcast")
+        return bcasts, [p.grad.clone() for p in model.parameters()], given.grad
+
+    without = run_ranks(ranks, lambda comm: program(comm, False))
+    with_input = run_ranks(ranks, lambda comm: program(comm, True))
+    for (b0, g0, x0), (b1, g1, x1) in zip(without, with_input):
+        assert b1 == b0 + 1 and x0 is None and x1 is not None
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+        assert torch.equal(x1, with_input[0][2])
+
+
+def test_ranks_that_differ_on_whether_the_input_requires_grad_fail_everywhere():
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def program(comm):
+        model = _dense_on_ranks(comm, None)
+        model(x.clone().requires_grad_(comm.rank == 1))
+
+    with pytest.raises(ValueError, match="whether it requires grad"):
+        run_ranks(3, program)

@@ -41,7 +41,8 @@ class Result:
                 section 2)
     iterations: cycles done
     converged:  whether the tolerance was met within max_iter cycles
-    final:      the state at t1, on every rank
+    final:      the state at t1, on every rank (None where the solve was told it is not
+                needed, `Solver.solve(..., final=False)`)
     states:     the rank's own level-0 points, first_index..first_index+len-1
     levels:     levels of the hierarchy actually used
     initial_residual: residual of the guess after its first F-relaxation
@@ -51,7 +52,7 @@ class Result:
     residuals: list[float]
     iterations: int
     converged: bool
-    final: Tensor
+    final: Tensor | None
     states: Tensor
     first_index: int
     levels: int
@@ -439,16 +440,18 @@ class Solver:
             level.drain()
 
     # the solve -----------------------------------------------------------------
-    def solve(self, u0: Tensor) -> Result:
-        """Run cycles from the configured initial guess until converged or max_iter."""
+    def solve(self, u0: Tensor, final: bool = True) -> Result:
+        """Run cycles from the configured initial guess until converged or max_iter.
+        `final=False`: the state at t1 is not needed (`Result.final` is None), so it is not
+        broadcast from its rank, a collective less at the end of the solve."""
         try:
-            return self._solve(u0)
+            return self._solve(u0, final)
         except Exception as err:
             if self.comm.size > 1:
                 err.add_note(f"mgrit: raised on rank {self.comm.rank} of {self.comm.size}")
             raise
 
-    def _solve(self, u0: Tensor) -> Result:
+    def _solve(self, u0: Tensor, want_final: bool) -> Result:
         cfg = self.config
         self._check_u0(u0)
         if not self._step_checked:
@@ -494,10 +497,12 @@ class Solver:
         self._drain()
         self._has_solved = True
         fine = self.levels[0]
-        final = torch.zeros_like(u0)
-        if self.comm.rank == self._final_owner:
-            final.copy_(fine.u[fine.row(self.num_steps)])
-        self.comm.bcast_(final, self._final_owner)
+        final = None
+        if want_final:
+            final = torch.zeros_like(u0)
+            if self.comm.rank == self._final_owner:
+                final.copy_(fine.u[fine.row(self.num_steps)])
+            self.comm.bcast_(final, self._final_owner)
         return Result(residuals=residuals, iterations=len(residuals), converged=converged,
                       final=final, states=fine.u[1:], first_index=fine.first,
                       levels=len(self.levels), initial_residual=initial)

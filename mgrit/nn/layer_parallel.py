@@ -53,7 +53,10 @@ class _ODESolve(torch.autograd.Function):
         # the forward pass's context and random draws, whatever passes came in between
         model.layers.context = ctx.context
         model.layers.draw_step = ctx.draw_step
-        grad_u0, context_grads, grads = model._solve_backward(grad_out)
+        # dL/du0 only where the opening or the input needs it (the same on every rank,
+        # as the graph before the solve is): else its broadcast, a collective, is skipped
+        grad_u0, context_grads, grads = model._solve_backward(grad_out,
+                                                              ctx.needs_input_grad[2])
         if model.data_comm is not None:
             torch.autograd.Variable._execution_engine.queue_callback(model._average_gradients)
         return (None, None, grad_u0, *[context_grads.get(name) for name in ctx.context],
@@ -170,8 +173,11 @@ class LayerParallel(nn.Module):
         described = tuple((name, tuple(v.shape), str(v.dtype), v.requires_grad)
                           if isinstance(v, Tensor) else (name, type(v).__name__)
                           for name, v in sorted(context.items()))
-        self.comm.agree("input batch shape and dtype, and context inputs",
-                        (tuple(u0.shape), str(u0.dtype), described))
+        # whether u0 requires grad decides whether the backward pass broadcasts dL/du0 (a
+        # collective): ranks that differed there would wait for each other for ever
+        self.comm.agree("input batch shape and dtype, whether it requires grad, and "
+                        "context inputs",
+                        (tuple(u0.shape), str(u0.dtype), u0.requires_grad, described))
         for name, value in context.items():
             if not isinstance(value, Tensor):
                 raise TypeError(f"context input {name!r} must be a tensor, got "
@@ -287,12 +293,12 @@ class LayerParallel(nn.Module):
                                  "seconds": seconds}
         return res.final
 
-    def _solve_backward(self, grad_out: Tensor
-                        ) -> tuple[Tensor, dict[str, Tensor], list[Tensor | None]]:
+    def _solve_backward(self, grad_out: Tensor, grad_u0: bool = True
+                        ) -> tuple[Tensor | None, dict[str, Tensor], list[Tensor | None]]:
         with torch.no_grad():
             self._passes.adjoint_solver(grad_out)
             start = time.perf_counter()
-            res, recorded = self._passes.solve_backward(grad_out)
+            res, recorded = self._passes.solve_backward(grad_out, grad_u0)
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals,
                                       "initial_norm": float(torch.linalg.vector_norm(grad_out)),
                                       "seconds": time.perf_counter() - start}

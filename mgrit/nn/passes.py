@@ -111,14 +111,15 @@ class Passes:
         solver.prop.begin()
         return solver.solve(u0.detach())
 
-    def solve_backward(self, grad_out: Tensor
+    def solve_backward(self, grad_out: Tensor, grad_u0: bool = True
                        ) -> tuple[Result, list[tuple[list[int], dict[str, Tensor], float]]]:
         """The adjoint solve from dL/du_N, and the parameter cotangents its final fine sweep
-        recorded (see `AdjointPropagator.gradients`); call under `torch.no_grad`."""
+        recorded (see `AdjointPropagator.gradients`); call under `torch.no_grad`.
+        `grad_u0=False`: dL/du_0, the adjoint's final state, is not needed on any rank."""
         solver = self.adjoint_solver(grad_out)
         prop: AdjointPropagator = solver.prop
         prop.begin()
-        res = solver.solve(grad_out.detach().contiguous())
+        res = solver.solve(grad_out.detach().contiguous(), final=grad_u0)
         if prop.outputs is not None:
             prop.outputs.clear()    # the forward pass's kept outputs are used up
         return res, prop.gradients
