@@ -15,7 +15,9 @@ run's; both sets of traces are replayed on the same network.
                                       [--json PATH]
 
 It checks both against W2's training step measured on 1 and 2 MPI ranks first (the
-study's validation runs, W2 alone, with the kernels the environment selects).
+study's validation runs, W2 alone, with the kernels the environment selects:
+`MGRIT_NATIVE=torch` for torch's, as the study's method comparison has them), and sets both
+beside serial PyTorch and layer-wise model parallelism, modelled as in the study.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 from collections import deque
 from typing import Any
@@ -33,7 +36,8 @@ from mgrit.app.replay import Event, Interconnect, replay
 from mgrit.comm.virtual import run_ranks
 
 from . import virtual
-from .cases import CURVES, setup
+from .cases import CURVES, SERIAL_DEPTHS, setup
+from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
 from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from .validation import launch_validation, network_from
 
@@ -223,12 +227,15 @@ def point(ranks: int, networks: dict[str, Interconnect], repeats: int = 3, warmu
 
 
 def curve(counts: list[int], networks: dict[str, Interconnect], processes: int
-          ) -> dict[int, dict[str, Any]]:
+          ) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
     """`point` for each rank count in `processes` fresh processes, run in rounds over the
     rank counts (the machine's slow phases last minutes); per count, kind and network the
-    fastest."""
+    fastest. With it, serial PyTorch's per-layer costs (`serial_costs`, once a round, the
+    fastest run), from which the baselines are modelled."""
     best: dict[int, dict[str, Any]] = {}
+    serial_runs = []
     for _ in range(processes):
+        serial_runs.append(virtual.fresh(serial_costs, CURVES["w2"], SERIAL_DEPTHS["w2"]))
         for p in counts:
             res = point(p, networks)
             kept = best.setdefault(p, {"ranks": p, "cold": {}, "warm": {}})
@@ -236,7 +243,7 @@ def curve(counts: list[int], networks: dict[str, Interconnect], processes: int
                 for label, pred in res[name].items():
                     if label not in kept[name] or pred["seconds"] < kept[name][label]["seconds"]:
                         kept[name][label] = pred
-    return best
+    return best, fastest_serial(serial_runs, CURVES["w2"].num_steps)
 
 
 def measured(launches: int = 3) -> dict[str, Any]:
@@ -268,7 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     networks = {"cluster": Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, overhead)}
     if check:
         networks["shared memory"] = network_from(check["ping_pong"])
-    best = curve(counts, networks, args.processes)
+    best, serial = curve(counts, networks, args.processes)
+    n = CURVES["w2"].num_steps
+    serial_train = serial_seconds(serial, n, ("forward", "backward", "update"))
+    layerwise = {p: replay(layerwise_traces(serial, n, p, train=True), networks["cluster"]).total
+                 for p in counts}
     if 1 in best:
         # alone on one rank, the virtual run and the run again are the same situation
         # (every step follows the rank's own): repeats of one measurement
@@ -289,18 +300,22 @@ def main(argv: list[str] | None = None) -> None:
         print()
     one = best[counts[0]]["warm"]["cluster"]["seconds"]
     print(f"W2 on virtual ranks, cluster network, {overhead * 1e6:.2f} us a message; fastest "
-          f"of {args.processes} processes")
-    print(f"| ranks | cold: step | busy per rank | warm: step | busy per rank | warm: "
-          f"{counts[0]} rank(s) / P ranks |")
-    print("|---|---|---|---|---|---|")
+          f"of {args.processes} processes; serial PyTorch {serial_train * 1e3:.1f} ms, "
+          "layer-wise model parallelism on the same network")
+    print(f"| ranks | cold: step | busy per rank | vs layer-wise | warm: step | busy per rank "
+          f"| vs layer-wise | warm: {counts[0]} rank(s) / P ranks |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in counts:
         c, w = best[p]["cold"]["cluster"], best[p]["warm"]["cluster"]
         print(f"| {p} | {c['seconds'] * 1e3:.2f} ms | {c['busy_mean'] * 1e3:.2f} ms | "
-              f"{w['seconds'] * 1e3:.2f} ms | {w['busy_mean'] * 1e3:.2f} ms | "
+              f"{layerwise[p] / c['seconds']:.2f} | {w['seconds'] * 1e3:.2f} ms | "
+              f"{w['busy_mean'] * 1e3:.2f} ms | {layerwise[p] / w['seconds']:.2f} | "
               f"{one / w['seconds']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"measured": check, "overhead": overhead,
+                       "kernels_backend": os.environ.get("MGRIT_NATIVE", "auto"),
+                       "serial_train": serial_train, "layerwise_train": layerwise,
                        "points": [best[p] for p in counts]}, f, indent=1)
 
 
