@@ -7,8 +7,11 @@ import pytest
 from benchmarks.scaling import levels
 
 
-def test_the_split_accounts_for_the_whole_path_by_pass_and_level():
-    result = levels.measure(levels.NAMES[0], ranks=4, repeats=1, warmup=1)
+@pytest.mark.parametrize("hot", [False, True])
+def test_the_split_accounts_for_the_whole_path_by_pass_and_level(hot):
+    """Of virtual ranks and of warm ones (each run again alone)."""
+    result = levels.measure(levels.NAMES[0], ranks=4, repeats=1, warmup=1, hot=hot)
+    assert result["warm"] is hot
     critical = result["critical"]
     assert sum(result["compute"].values()) == pytest.approx(critical["compute"], rel=1e-9)
     assert sum(result["hops"].values()) == critical["hops"]

@@ -13,7 +13,7 @@ the path is charged to the message that ends it (the last one, to the message be
 a hop to the message or collective that carried the path to the next span. The predicted times use the study's cluster network.
 
     python -m benchmarks.scaling.levels [--ranks 64] [--variants 0,1,2] [--processes 3]
-                                        [--json PATH]
+                                        [--warm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mgrit.app.replay import Event, Interconnect, replay
 from mgrit.comm import tracing
 from mgrit.core.level import Level
 
-from . import virtual
+from . import virtual, warm
 from .hierarchies import VARIANTS, variant_work
 from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 
@@ -59,11 +59,12 @@ def _label() -> tuple[str, int | None]:
 Label = tuple[str, "int | None"]
 
 
-def labelled_traces(variant: str, ranks: int, repeats: int, warmup: int
+def labelled_traces(variant: str, ranks: int, repeats: int, warmup: int, hot: bool = False
                     ) -> tuple[list[list[list[Event]]], list[list[list[Label | None]]]]:
-    """Traces [repeat][rank] of W2's step with hierarchy `variant`, and the label of each
-    of their events (None for compute spans and marks), alike indexed (run in this process:
-    `virtual.fresh` gives a clean one)."""
+    """Traces [repeat][rank] of W2's step with hierarchy `variant` (`hot`: of its ranks run
+    again alone, `benchmarks.scaling.warm`), and the label of each of their events (None
+    for compute spans and marks), alike indexed (run in this process: `virtual.fresh` gives
+    a clean one)."""
     by_id: dict[int, Label] = {}
     original = tracing.Tracer.record
 
@@ -74,7 +75,10 @@ def labelled_traces(variant: str, ranks: int, repeats: int, warmup: int
 
     tracing.Tracer.record = record
     try:
-        traces = virtual.work_traces(variant_work(variant), ranks, repeats, warmup)
+        if hot:
+            traces = warm.traces(variant_work(variant), ranks, repeats, warmup)[1]
+        else:
+            traces = virtual.work_traces(variant_work(variant), ranks, repeats, warmup)
     finally:
         tracing.Tracer.record = original
     labels = [[[by_id.get(id(e)) for e in events] for events in repeat] for repeat in traces]
@@ -136,16 +140,18 @@ def _hop(events: list[Event], i: int, rank: int, source: int) -> tuple[int, int]
 
 
 def measure(variant: str, ranks: int, repeats: int = 3, warmup: int = 3,
-            overhead: float = OVERHEAD, processes: int = 1) -> dict[str, Any]:
+            overhead: float = OVERHEAD, processes: int = 1, hot: bool = False
+            ) -> dict[str, Any]:
     """The split of the fastest of `repeats` traced steps, in each of `processes` fresh
-    processes, of a variant on `ranks` virtual ranks."""
+    processes, of a variant on `ranks` virtual ranks (`hot`: warm ranks)."""
     network = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, overhead)
     results = []
     for _ in range(processes):
-        traces, labels = virtual.fresh(labelled_traces, variant, ranks, repeats, warmup)
+        traces, labels = virtual.fresh(labelled_traces, variant, ranks, repeats, warmup, hot)
         results += [split(t, l, network) for t, l in zip(traces, labels)]
     best = min(results, key=lambda r: r["seconds"])
-    best.update(variant=variant, ranks=ranks, latency=CLUSTER_LATENCY, overhead=overhead)
+    best.update(variant=variant, ranks=ranks, latency=CLUSTER_LATENCY, overhead=overhead,
+                warm=hot)
     return best
 
 
@@ -159,8 +165,8 @@ def table(results: list[dict[str, Any]]) -> str:
     out = []
     for res in results:
         crit = res["critical"]
-        out.append(f"**{res['variant']}**, "
-                   f"{res['ranks']} ranks: step {res['seconds'] * 1e3:.2f} ms, path compute "
+        out.append(f"**{res['variant']}**, {'warm' if res.get('warm') else 'virtual'} "
+                   f"ranks, {res['ranks']} ranks: step {res['seconds'] * 1e3:.2f} ms, path compute "
                    f"{crit['compute'] * 1e3:.2f} ms, communication "
                    f"{crit['communication'] * 1e3:.2f} ms, {crit['hops']} hops\n")
         out.append("| pass/level | compute on path (ms) | hops | hops x (latency + overhead) "
@@ -188,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="fresh processes per variant, run in rounds (the fastest counts)")
     parser.add_argument("--overhead", type=float, default=OVERHEAD,
                         help="CPU seconds to post a message (default: this machine's)")
+    parser.add_argument("--warm", action="store_true",
+                        help="split the path of warm ranks (benchmarks.scaling.warm)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     try:
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.variants!r}")
     # rounds over the variants, not each variant's processes in a row: the machine's slow
     # phases last minutes
-    rounds = [[measure(n, args.ranks, args.repeats, args.warmup, args.overhead)
+    rounds = [[measure(n, args.ranks, args.repeats, args.warmup, args.overhead, hot=args.warm)
                for n in names] for _ in range(args.processes)]
     results = [min((r[k] for r in rounds), key=lambda r: r["seconds"])
                for k in range(len(names))]

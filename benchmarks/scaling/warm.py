@@ -35,6 +35,7 @@ from torch import Tensor
 from mgrit.app.replay import Event, Interconnect, replay
 from mgrit.comm.virtual import run_ranks
 
+from ..workloads import TrainingWorkload
 from . import virtual
 from .cases import CURVES, SERIAL_DEPTHS, setup
 from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
@@ -178,12 +179,12 @@ def _same_events(a: list[Event], b: list[Event]) -> bool:
     return ([e for e in a if e[0] != "compute"] == [e for e in b if e[0] != "compute"])
 
 
-def traces(case: str, ranks: int, repeats: int = 3, warmup: int = 3
+def traces(case: str | TrainingWorkload, ranks: int, repeats: int = 3, warmup: int = 3
            ) -> tuple[list[list[list[Event]]], list[list[list[Event]]]]:
-    """(cold, warm): traces [repeat][rank] of a virtual run of scaling case `case`, and of
-    each rank run again alone with what it received (in this process: `virtual.fresh`
-    gives a clean one)."""
-    work = CURVES[case].work()
+    """(cold, warm): traces [repeat][rank] of a virtual run of `case` (a scaling case's
+    name, or a workload), and of each rank run again alone with what it received (in this
+    process: `virtual.fresh` gives a clean one)."""
+    work = CURVES[case].work() if isinstance(case, str) else case
     built = setup(work)
     received = [Received() for _ in range(ranks)]
     by_rank = run_ranks(ranks, lambda comm: virtual.rank_traces(
