@@ -1,16 +1,18 @@
 """Where the critical path of W2's training step on P virtual ranks goes, level by level
-(docs/performance.md, "Coarse levels"): for W2's hierarchy and the other hierarchies of
-`benchmarks.scaling.hierarchies` (more or fewer levels, another coarsening), the path's compute
-and its message hops split by pass (forward solve, adjoint solve, the rest of the step) and
-multigrid level. A coarse level with fewer points than there are ranks is a chain: its
-sweeps pass from rank to rank, one hop per point. The coarsest level's share is what a
-coarse solve gathered onto one rank could at most save, less the hops of the gather and
-the scatter.
+(docs/performance.md, "The path level by level"): for W2's hierarchy and the others of
+`benchmarks.scaling.hierarchies` (more or fewer levels, another coarsening), the path's
+compute and its message hops split by pass (forward solve, adjoint solve, the rest of the
+step) and multigrid level. A coarse level with fewer points than there are ranks is a
+chain: its sweeps pass from rank to rank, one hop per point. The coarsest level's share is
+what a coarse solve gathered onto one rank could at most save, less the hops of the gather
+and the scatter.
 
-Every message event of a timed virtual run (`virtual.work_traces`, fresh process) is
-labelled with the level whose message it is and the pass it belongs to; a compute span on
-the path is charged to the message that ends it (the last one, to the message before it),
-a hop to the message or collective that carried the path to the next span. The predicted times use the study's cluster network.
+Every message event of a timed virtual run (`virtual.work_traces`, fresh process; with
+`--warm`, of its ranks run again alone, `benchmarks.scaling.warm`) is labelled with the
+level whose message it is and the pass it belongs to; a compute span on the path is
+charged to the message that ends it (the last one, to the message before it), a hop to
+the message or collective that carried the path to the next span. The predicted times use
+the study's cluster network.
 
     python -m benchmarks.scaling.levels [--ranks 64] [--variants 0,1,2] [--processes 3]
                                         [--warm] [--json PATH]
@@ -56,7 +58,7 @@ def _label() -> tuple[str, int | None]:
     return "step", level
 
 
-Label = tuple[str, "int | None"]
+Label = tuple[str, int | None]
 
 
 def labelled_traces(variant: str, ranks: int, repeats: int, warmup: int, hot: bool = False
@@ -166,7 +168,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         crit = res["critical"]
         out.append(f"**{res['variant']}**, {'warm' if res.get('warm') else 'virtual'} "
-                   f"ranks, {res['ranks']} ranks: step {res['seconds'] * 1e3:.2f} ms, path compute "
+                   f"ranks, {res['ranks']} ranks: step {res['seconds'] * 1e3:.2f} ms, "
+                   "path compute "
                    f"{crit['compute'] * 1e3:.2f} ms, communication "
                    f"{crit['communication'] * 1e3:.2f} ms, {crit['hops']} hops\n")
         out.append("| pass/level | compute on path (ms) | hops | hops x (latency + overhead) "

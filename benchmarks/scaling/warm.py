@@ -242,7 +242,8 @@ def curve(counts: list[int], networks: dict[str, Interconnect], processes: int
             kept = best.setdefault(p, {"ranks": p, "cold": {}, "warm": {}})
             for name in ("cold", "warm"):
                 for label, pred in res[name].items():
-                    if label not in kept[name] or pred["seconds"] < kept[name][label]["seconds"]:
+                    held = kept[name].get(label)
+                    if held is None or pred["seconds"] < held["seconds"]:
                         kept[name][label] = pred
     return best, fastest_serial(serial_runs, CURVES["w2"].num_steps)
 
@@ -266,11 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=3,
                         help="fresh processes per rank count, in rounds (the fastest counts)")
     parser.add_argument("--launches", type=int, default=3,
-                        help="MPI launches per rank count (1 and 2) to check the model against; "
-                        "0: no check")
+                        help="MPI launches per rank count (1 and 2) to check the model "
+                        "against; 0: no check")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    counts = sorted({int(p) for p in args.ranks.split(",")} | ({1, 2} if args.launches else set()))
+    counts = sorted({int(p) for p in args.ranks.split(",")}
+                    | ({1, 2} if args.launches else set()))
     check = measured(args.launches) if args.launches else None
     overhead = check["ping_pong"]["overhead"] if check else OVERHEAD
     networks = {"cluster": Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, overhead)}
@@ -279,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     best, serial = curve(counts, networks, args.processes)
     n = CURVES["w2"].num_steps
     serial_train = serial_seconds(serial, n, ("forward", "backward", "update"))
-    layerwise = {p: replay(layerwise_traces(serial, n, p, train=True), networks["cluster"]).total
-                 for p in counts}
+    layerwise = {p: replay(layerwise_traces(serial, n, p, train=True),
+                           networks["cluster"]).total for p in counts}
     if 1 in best:
         # alone on one rank, the virtual run and the run again are the same situation
         # (every step follows the rank's own): repeats of one measurement
