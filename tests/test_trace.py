@@ -53,28 +53,30 @@ def test_a_message_that_arrives_early_costs_the_receiver_nothing():
     assert pred.critical == {"compute": 6.0, "communication": 0.0, "hops": 0}
 
 
-@pytest.mark.parametrize("traces, expected", [
+@pytest.mark.parametrize("traces, expected, hops", [
     # the chain of messages above: rank 1's first span ends before its message arrives
     ([[["compute", 1.0], ["send", 1, 32, "c", 0]],
       [["compute", 0.5], ["wait", 0, "c", 0], ["compute", 2.0], ["send", 2, 64, "c", 0]],
       [["wait", 1, "c", 0], ["compute", 3.0]]],
-     [(0, 0), (1, 2), (2, 1)]),
+     [(0, 0), (1, 2), (2, 1)], [0, 1, 2]),
     # an early message: the receiver's own spans are the path
     ([[["send", 1, 0, "c", 0]], [["compute", 5.0], ["wait", 0, "c", 0], ["compute", 1.0]]],
-     [(1, 0), (1, 2)]),
+     [(1, 0), (1, 2)], [0, 0]),
     # an allreduce goes on from its last arrival (rank 1), then rank 0 computes longest
     ([[["compute", 1.0], ["collective", "allreduce", "w", 0, 8, 2, -1], ["compute", 4.0]],
       [["compute", 3.0], ["collective", "allreduce", "w", 0, 8, 2, -1], ["compute", 1.0]]],
-     [(1, 0), (0, 2)]),
+     [(1, 0), (0, 2)], [0, 1]),
 ])
-def test_replay_keeps_the_compute_events_of_the_critical_path(traces, expected):
+def test_replay_keeps_the_compute_events_of_the_critical_path(traces, expected, hops):
     pred = replay(traces, NET, keep_path=True)
     assert pred.path == expected, f"critical compute events {pred.path}, expected {expected}"
+    assert pred.path_hops == hops, f"hops before each {pred.path_hops}, expected {hops}"
     on_path = sum(traces[r][i][1] for r, i in pred.path)
     assert on_path == pred.critical["compute"], (
         f"the path's spans sum to {on_path}, its compute is {pred.critical['compute']}")
     plain = replay(traces, NET)
-    assert plain.path is None and (plain.total, plain.critical) == (pred.total, pred.critical), (
+    assert plain.path is None and plain.path_hops is None
+    assert (plain.total, plain.critical) == (pred.total, pred.critical), (
         "keeping the path changed the replay")
 
 

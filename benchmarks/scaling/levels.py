@@ -101,44 +101,38 @@ def split(traces: list[list[Event]], labels: list[list[Label | None]],
             return None
         return f"{label[0]}/{'-' if label[1] is None else label[1]}"
 
-    previous = None
-    for rank, i in pred.path:
+    path = pred.path
+    for k, (rank, i) in enumerate(path):
         compute[key(rank, i + 1) or key(rank, i - 1) or "step/-"] += traces[rank][i][1]
-        if previous is not None:
-            hop = _hop(traces[rank], i, rank, previous)
-            if hop is not None:
-                hops[key(rank, hop[0]) or "step/-"] += hop[1]
-        previous = rank
-    if sum(hops.values()) != pred.critical["hops"]:
-        # a collective the rank was not the last to reach leaves its path as it was
-        print(f"note: {sum(hops.values())} hops charged of the path's "
-              f"{pred.critical['hops']}", file=sys.stderr)
+        # the hops that carried the path here (the replay counts them), charged to the
+        # message or collective that did
+        hops_here = pred.path_hops[k] - (pred.path_hops[k - 1] if k else 0)
+        if hops_here:
+            event = _carrier(traces[rank], i, rank, path[k - 1][0] if k else None)
+            hops[(key(rank, event) if event is not None else None) or "step/-"] += hops_here
+    after = pred.critical["hops"] - (pred.path_hops[-1] if path else 0)
+    if after:       # a collective after the path's last span
+        rank, i = path[-1] if path else (0, -1)
+        hops[key(rank, i + 1) or "step/-"] += after
     return {"seconds": pred.total, "critical": pred.critical, "compute": dict(compute),
             "hops": dict(hops)}
 
 
-def _hop(events: list[Event], i: int, rank: int, source: int) -> tuple[int, int] | None:
-    """(index, hops) of the event that carried the critical path to compute span i of a
-    rank from rank `source`'s last span on it, by the replay's model: a message from another
-    rank (one hop), or a collective (ceil(log2 P) hops, none for a broadcast's root); None
-    where the path stayed on the rank without one."""
+def _carrier(events: list[Event], i: int, rank: int, source: int | None) -> int | None:
+    """The index of the event that carried the critical path to compute span i of a rank:
+    a message from the rank the path came from, else a collective (the last of either
+    between this span and the rank's span before it); None where there is none."""
     gap = []
     j = i - 1
     while j >= 0 and events[j][0] != "compute":
         gap.append(j)
         j -= 1
-    if source != rank:
+    if source is not None and source != rank:
         waits = [k for k in gap if events[k][0] == "wait" and events[k][1] == source]
         if waits:
-            return waits[0], 1
-    for k in gap:
-        event = events[k]
-        if event[0] == "collective":
-            _, op, _, _, _, group, root = event
-            if op == "bcast" and root == rank:
-                continue
-            return k, math.ceil(math.log2(group)) if group > 1 else 0
-    return None
+            return waits[0]
+    collectives = [k for k in gap if events[k][0] == "collective"]
+    return collectives[0] if collectives else None
 
 
 def measure(variant: str, ranks: int, repeats: int = 3, warmup: int = 3,

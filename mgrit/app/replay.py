@@ -44,6 +44,8 @@ class Prediction:
                number of message hops
     path:      with `replay(..., keep_path=True)`, the compute events on the critical path
                in order, as (rank, event index); None otherwise
+    path_hops: with `keep_path`, the message hops on the critical path before each of those
+               events (so the hops between two of them are the difference); None otherwise
     """
 
     total: float
@@ -52,6 +54,7 @@ class Prediction:
     marks: dict[str, float]
     critical: dict[str, float] = field(default_factory=dict)
     path: list[tuple[int, int]] | None = None
+    path_hops: list[int] | None = None
 
     @property
     def idle(self) -> list[float]:
@@ -64,7 +67,8 @@ class ReplayError(RuntimeError):
 
 # a path is (compute seconds, communication seconds, hops) along the chain of events
 # that determined a rank's clock; with keep_path, a fourth entry is the chain's last compute
-# event as a node (previous node, rank, event index), shared by the chains that branch from it
+# event as a node (previous node, rank, event index, hops before it), shared by the chains
+# that branch from it
 _Path = tuple
 
 
@@ -131,7 +135,7 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
                 busy[r] += span
                 if keep_path:
                     compute, communication, hops, node = path[r]
-                    path[r] = (compute + span, communication, hops, (node, r, pos[r]))
+                    path[r] = (compute + span, communication, hops, (node, r, pos[r], hops))
                 else:
                     path[r] = (path[r][0] + span, path[r][1], path[r][2])
             elif kind == "send":
@@ -177,19 +181,22 @@ def replay(traces: list[list[Event]], network: Interconnect, compute_scale: floa
         raise ReplayError(f"{len(stuck)} ranks cannot go on ({shown}): a wait whose message "
                           "is never sent, or ranks waiting for each other")
     if not size:
-        return Prediction(0.0, [], [], {}, {}, [] if keep_path else None)
+        return Prediction(0.0, [], [], {}, {}, [] if keep_path else None,
+                          [] if keep_path else None)
     total = max(clock)
     compute, communication, hops, *node = path[clock.index(total)]
-    spans = None
+    spans = counts = None
     if keep_path:
-        spans, last = [], node[0]
+        spans, counts, last = [], [], node[0]
         while last is not None:
-            last, r, index = last
+            last, r, index, before = last
             spans.append((r, index))
+            counts.append(before)
         spans.reverse()
+        counts.reverse()
     return Prediction(total=total, finish=clock, busy=busy, marks=marks,
                       critical={"compute": compute, "communication": communication,
-                                "hops": hops}, path=spans)
+                                "hops": hops}, path=spans, path_hops=counts)
 
 
 def step_spans(pred: Prediction, prefix: str = "step") -> list[float]:
