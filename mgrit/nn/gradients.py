@@ -86,7 +86,7 @@ class _Plan:
     rows are a strided view of the gradient where they can be (an indexed copy moves data
     several times slower than a strided one), else an index."""
 
-    __slots__ = ("batches", "once", "pieces", "places", "_buffers")
+    __slots__ = ("batches", "once", "pieces", "_buffers")
 
     def __init__(self, layers: LayerStack, batches: list[list[int]]) -> None:
         lo, count = layers.first, layers.count
@@ -104,8 +104,12 @@ class _Plan:
             local = [layer - lo for layer in batch]
             for start, stop, place in _pieces(local):
                 self.pieces.append((k, start, stop, place))
-        self.places = [piece[3] for piece in self.pieces]
         self._buffers: dict[tuple[int, str], Tensor] = {}
+
+    @property
+    def places(self) -> list[tuple]:
+        """Where each piece's rows go, in order."""
+        return [piece[3] for piece in self.pieces]
 
     def buffer(self, k: int, name: str, like: Tensor) -> Tensor:
         """A tensor like `like` kept for piece k's cotangents of parameter `name`."""
