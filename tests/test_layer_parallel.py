@@ -509,13 +509,15 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
 def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, monkeypatch):
     """A batch of adjoint states of which one is non-zero (the front of a first backward
     cycle) gives that entry its VJP through the single-step path, zeros elsewhere: the same
-    numbers as autograd on the layer. (With torch's kernels: the native ones take a whole
-    batch in C, zero entries included.)"""
+    numbers as autograd on the layer. (With torch's chain kernels: the native ones take a
+    whole batch in C, zero entries included.)"""
     from mgrit.core.propagator import StepBatch
+    from mgrit.kernels import steps
     from mgrit.kernels.steps import ChainSteps
     from mgrit.nn.propagators import AdjointPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
+    monkeypatch.setattr(steps, "TORCH_PROGRAMS", False)
     model, _ = build(kind, 16)
     x, _ = data(kind, 4)
     shape = model.opening(x).shape

@@ -686,8 +686,9 @@ def test_dense_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype, 
 def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_them(
         dtype, tol, monkeypatch):
     """`chain_steps` takes the native dense steps for states of at most
-    DENSE_NATIVE_MAX_VALUES values (and where MGRIT_NATIVE allows them), torch's kernels
-    past that; its batches of forward steps run natively up to the kernels' `max_batch`
+    DENSE_NATIVE_MAX_VALUES values (and where MGRIT_NATIVE allows them; else the same
+    steps on torch's kernels, `TorchDenseSteps`), torch's chain kernels past that; its
+    batches of forward steps run natively up to the kernels' `max_batch`
     values (DENSE_NATIVE_MAX_BATCH with a scalar tanh, no limit with glibc's vector one)
     and on torch past that. Either way a batch equals the step in float64."""
     cpu, d = torch.device("cpu"), 8
@@ -696,7 +697,11 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
     past = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d + 1, d])
     assert type(steps.chain_steps(chain, at, dtype, cpu, True)) is steps.NativeDenseSteps
     assert type(steps.chain_steps(chain, past, dtype, cpu, True)) is steps.ChainSteps
+    assert type(steps.chain_steps(chain, at, dtype, cpu, False)) is steps.TorchDenseSteps
+    assert type(steps.chain_steps(chain, past, dtype, cpu, False)) is steps.ChainSteps
+    monkeypatch.setattr(steps, "TORCH_PROGRAMS", False)
     assert type(steps.chain_steps(chain, at, dtype, cpu, False)) is steps.ChainSteps
+    monkeypatch.undo()
 
     rows = 4
     strategy = steps.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)

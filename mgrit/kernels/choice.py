@@ -24,7 +24,8 @@ def native_backend() -> str:
     they are measured faster, native dense tanh steps for narrow layers, and relaxation
     phases of such steps compiled into one native call each), "kernels" (the same kernels,
     called step by step or batch by batch from Python: the twin that the compiled phases
-    are tested against) or "torch" (torch's kernels only).
+    are tested against) or "torch" (torch's kernels only; relaxation phases of narrow
+    dense tanh steps are then planned loops of torch's calls, `TorchDenseSteps`).
     torch.use_deterministic_algorithms(True) means "torch": a choice made by timing can
     differ between runs, and torch's results are what a serial run computes."""
     name = os.environ.get("MGRIT_NATIVE", "auto")
@@ -34,9 +35,10 @@ def native_backend() -> str:
 
 
 def compiled_phases() -> bool:
-    """Whether relaxation phases of native dense steps run as one compiled call each
-    (MGRIT_NATIVE "auto") rather than step by step ("kernels", "torch")."""
-    return native_backend() == "auto"
+    """Whether relaxation phases of dense tanh steps run as one compiled call each, native
+    or planned on torch's kernels (MGRIT_NATIVE "auto" and "torch"), rather than step by
+    step ("kernels", the twin of both)."""
+    return native_backend() != "kernels"
 
 
 @contextlib.contextmanager

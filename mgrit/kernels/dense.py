@@ -186,3 +186,200 @@ class DenseProgram:
 
     def __call__(self) -> None:
         self._call(*self._args)
+
+
+# the most values (independent steps times values per state) of a relaxation phase that
+# `TorchDense` plans into one call: past it the phase's batched products (`ChainSteps`)
+# cost less than its steps' calls one by one
+TORCH_DENSE_MAX_PHASE = 256
+
+
+class TorchDense:
+    """The calls of `NativeDense` on torch's kernels: the operations of a `ChainSteps`
+    single step of a `Linear(d, d) -> Tanh` layer (`F.linear`'s addmm, tanh in place, the
+    residual update) and of its single adjoint step, written into given tensors, so that a
+    relaxation phase of such steps can be one planned call (`TorchProgram`) where torch's
+    kernels run (MGRIT_NATIVE=torch, deterministic algorithms, no C compiler): no Python of
+    the solver's per-step machinery and no allocation per step. Batches are declined
+    (`max_batch` 0): `ChainSteps`'s batched products run them. A phase is planned where
+    its independent steps hold at most `max_phase` values."""
+
+    max_batch = 0
+    max_phase = TORCH_DENSE_MAX_PHASE
+
+    def __init__(self, dtype: torch.dtype, width: int) -> None:
+        self.dtype = dtype
+        self.width = width
+        self._scratch: dict[tuple, Tensor] = {}
+
+    def scratch(self, name: str, rows: int, device: torch.device) -> Tensor:
+        """A (rows, width) tensor for intermediate values, one per name and shape: a step's
+        values are read before the next step writes them."""
+        key = (name, rows, device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty((rows, self.width), dtype=self.dtype,
+                                                   device=device)
+        return buf
+
+    def step(self, u: Tensor, w: Tensor, b: Tensor, dt: float, out: Tensor,
+             g: Tensor | None = None, keep: Tensor | None = None) -> bool:
+        """out = g + u + dt tanh(u w^T + b) for one layer; `keep` gets the tanh."""
+        if not _fits(self, (u, w, b, g, out, keep)):
+            return False
+        d = self.width
+        u2 = u.view(-1, d)
+        y = keep.view(-1, d) if keep is not None else self.scratch("y", len(u2), u.device)
+        _forward(u2, w.t(), b, y, out.view(-1, d), None if g is None else g.view(-1, d), dt)
+        return True
+
+    def step_batch(self, *args: object, **kwargs: object) -> bool:
+        """Declined: `ChainSteps`'s batched products run (a loop of single steps costs a
+        few views and calls per layer, more than they do)."""
+        return False
+
+    def vjp(self, *args: object, **kwargs: object) -> bool:
+        """Declined, as `step_batch`."""
+        return False
+
+    def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
+                   g: Tensor | None = None) -> bool:
+        """out = g + a + dt (a (1 - y^2)) w for one layer."""
+        if not _fits(self, (w, a, y, g, out)):
+            return False
+        d = self.width
+        a2 = a.view(-1, d)
+        rows = len(a2)
+        _adjoint(w, a2, y.view(-1, d), out.view(-1, d), None if g is None else g.view(-1, d),
+                 dt, self.scratch("s", rows, a.device), self.scratch("du", rows, a.device))
+        return True
+
+    def program(self, operands: Sequence[tuple[Tensor | None, ...]], dt: float, adjoint: bool
+                ) -> "TorchProgram | None":
+        """`NativeDense.program` on torch's kernels: the same operands per step, the same
+        order; None where an operand does not suit."""
+        if not operands or operands[0][4] is None:
+            return None
+        width = len(operands[0])
+        if any(len(step) != width for step in operands):
+            return None
+        program = TorchProgram(self, adjoint, width, float(dt))
+        return program if program.set_steps([list(step) for step in operands]) else None
+
+
+def _fits(kernels: "TorchDense", tensors: Sequence[Tensor | None]) -> bool:
+    """Whether every operand (None allowed) has the kernels' dtype and is contiguous."""
+    return all(t is None or (t.dtype == kernels.dtype and t.is_contiguous()) for t in tensors)
+
+
+def _cotangents(s: Tensor, x: Tensor, gw: Tensor, gb: Tensor) -> None:
+    """A layer's parameter cotangents from s = a (1 - y^2) and its input x, not scaled by
+    dt: s^T x and the sum of s's rows (`ChainSteps`'s batched products, layer by layer)."""
+    torch.mm(s.t(), x, out=gw)
+    torch.sum(s, 0, out=gb)
+
+
+def _forward(u: Tensor, wt: Tensor, b: Tensor, y: Tensor, out: Tensor, g: Tensor | None,
+             dt: float) -> None:
+    """out = g + u + dt tanh(u wt + b), y the tanh: `ChainSteps`'s operations (F.linear on a
+    matrix is this addmm), into given tensors."""
+    torch.addmm(b, u, wt, out=y)
+    y.tanh_()
+    torch.add(u, y, alpha=dt, out=out)
+    if g is not None:
+        out.add_(g)
+
+
+def _adjoint(w: Tensor, a: Tensor, y: Tensor, out: Tensor, g: Tensor | None, dt: float,
+             s: Tensor, du: Tensor) -> None:
+    """out = g + a + dt s w with s = a (1 - y^2) (left in s): `ChainSteps`'s single-layer
+    adjoint, into given tensors."""
+    torch.ops.aten.tanh_backward.grad_input(a, y, grad_input=s)
+    torch.mm(s, w, out=du)
+    torch.add(a, du, alpha=dt, out=out)
+    if g is not None:
+        out.add_(g)
+
+
+class TorchProgram:
+    """A relaxation phase of `Linear(d, d) -> Tanh` steps (or adjoint steps) on torch's
+    kernels, planned once: per step the views its calls take, made at build time, and one
+    loop of out= calls at every run. The operands are those of `NativeDense.program`;
+    `set_operand` points one of them at other tensors, as `DenseProgram.set_operand`."""
+
+    __slots__ = ("_kernels", "_adjoint", "_width", "_dt", "_steps", "_plan", "count")
+
+    def __init__(self, kernels: TorchDense, adjoint: bool, width: int, dt: float) -> None:
+        self._kernels, self._adjoint, self._width, self._dt = kernels, adjoint, width, dt
+        self._steps: list[list[Tensor | None]] = []
+        self._plan: list[tuple] = []
+        self.count = 0
+
+    def set_steps(self, steps: list[list[Tensor | None]]) -> bool:
+        """Plan the calls for these operands; False, having changed nothing, where one
+        does not suit (a dtype, a layout, a size, an operand left out but g)."""
+        k = self._kernels
+        d = k.width
+        first = steps[0][4]
+        rows = first.numel() // d
+        sizes = ((d * d, rows * d, rows * d, rows * d, rows * d, rows * d, d * d, d)
+                 if self._adjoint else (rows * d, d * d, d, rows * d, rows * d, rows * d))
+        for step in steps:
+            for i, t in enumerate(step):
+                if t is None:
+                    if i != 3:
+                        return False
+                elif (t.dtype != k.dtype or t.device != first.device or t.numel() != sizes[i]
+                      or not t.is_contiguous()):
+                    return False
+        flat = lambda t: None if t is None else t.view(-1, d)  # noqa: E731
+        plan = []
+        if self._adjoint:
+            s, du = k.scratch("s", rows, first.device), k.scratch("du", rows, first.device)
+            for step in steps:
+                w, a, y, g, out = step[:5]
+                record = None
+                if len(step) == 8:
+                    x, gw, gb = step[5:]
+                    record = (flat(x), gw.view(d, d), gb.view(d))
+                plan.append((w.view(d, d), flat(a), flat(y), flat(out), flat(g), s, du,
+                             record))
+        else:
+            scratch = k.scratch("y", rows, first.device)
+            for step in steps:
+                u, w, b, g, out = step[:5]
+                y = flat(step[5]) if len(step) == 6 else scratch
+                plan.append((flat(u), w.view(d, d).t(), b.view(d), y, flat(out), flat(g)))
+        self._steps, self._plan, self.count = steps, plan, len(steps)
+        return True
+
+    def set_operand(self, index: int, tensors: Sequence[Tensor]) -> bool:
+        """Read operand `index` of every step from `tensors` from now on (one per step);
+        False, having changed nothing, where one does not suit. The adjoint's kept tanh
+        (operand 2, new tensors at every pass where torch's batches kept them) replaces
+        its views in the plan; any other operand plans the phase again."""
+        steps = [list(step) for step in self._steps]
+        for step, t in zip(steps, tensors):
+            step[index] = t
+        if not (self._adjoint and index == 2):
+            return self.set_steps(steps)
+        first, d = self._steps[0][2], self._kernels.width
+        for t in tensors:
+            if (t.dtype != first.dtype or t.device != first.device
+                    or t.numel() != first.numel() or not t.is_contiguous()):
+                return False
+        self._plan = [(*entry[:2], t.view(-1, d), *entry[3:])
+                      for entry, t in zip(self._plan, tensors)]
+        self._steps = steps
+        return True
+
+    def __call__(self) -> None:
+        dt = self._dt
+        if not self._adjoint:
+            for u, wt, b, y, out, g in self._plan:
+                _forward(u, wt, b, y, out, g, dt)
+            return
+        for w, a, y, out, g, s, du, record in self._plan:
+            _adjoint(w, a, y, out, g, dt, s, du)
+            if record is not None:
+                _cotangents(s, *record)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from . import native
 from .chain import Chain, _Activation, _Linear
-from .dense import DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense
+from .dense import DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense, TorchDense
 
 Tensors = dict[str, Tensor]
 Kept = tuple[list, int]
@@ -285,6 +285,24 @@ class NativeDenseSteps(ChainSteps):
         return {self.weight: gw, self.bias: gb}
 
 
+class TorchDenseSteps(NativeDenseSteps):
+    """`NativeDenseSteps` on torch's kernels (`TorchDense`): where torch's kernels run, the
+    single steps, the kept tanh in the same tensors pass after pass and the compiled
+    relaxation phases of `Linear(d, d) -> Tanh` layers, each phase one planned loop of out=
+    calls (`TorchProgram`) that a recorded cycle replays. Batches and batched adjoints are
+    `ChainSteps`'s."""
+
+    skips_zeros = False
+
+    def __init__(self, chain: Chain, kernels: TorchDense) -> None:
+        super().__init__(chain, kernels)     # type: ignore[arg-type]
+
+    def program_parallel(self, values: int, adjoint: bool) -> int:
+        """Phases of at most `TorchDense.max_phase` values of independent steps, forward
+        and adjoint alike: a larger one is fewer calls as `ChainSteps`'s batches."""
+        return max(1, self.kernels.max_phase // max(values, 1))
+
+
 class CudaDenseSteps(ChainSteps):
     """The batched residual step of `Linear(d, d) -> Tanh` layers and its adjoint on the
     CUDA kernels (`mgrit.kernels.cuda`); single steps, kept outputs and parameter
@@ -331,13 +349,19 @@ def is_dense_tanh(module: nn.Module) -> bool:
     return chain is not None and _dense_names(chain) is not None
 
 
+# whether narrow `Linear(d, d) -> Tanh` layers on torch's kernels take `TorchDenseSteps`
+# (tests turn it off to compare with `ChainSteps`, the twin of its planned phases)
+TORCH_PROGRAMS = True
+
+
 def chain_steps(chain: Chain, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                 native_allowed: bool) -> ChainSteps:
     """The strategy for a chain's layers and states of this shape, dtype and device: the
     CUDA dense kernels for Linear -> Tanh layers on a GPU where they load; the native dense
     kernels on a CPU for float32/float64 states of at most DENSE_NATIVE_MAX_VALUES values,
     where `native_allowed` (`mgrit.kernels.choice.native_backend`) and the kernels build
-    here; torch's chain kernels otherwise."""
+    here, else the same steps on torch's kernels (`TorchDenseSteps`); torch's chain
+    kernels otherwise."""
     if _dense_names(chain) is None:
         return ChainSteps(chain)
     if device.type == "cuda":
@@ -345,8 +369,10 @@ def chain_steps(chain: Chain, shape: torch.Size, dtype: torch.dtype, device: tor
 
         return CudaDenseSteps(chain) if cuda.available() else ChainSteps(chain)
     width = shape[-1] if len(shape) else 0
-    if (native_allowed and device.type == "cpu" and dtype in native.SUFFIX
-            and shape.numel() <= DENSE_NATIVE_MAX_VALUES and width <= native.MAX_WIDTH
-            and native.available()):
+    small = (device.type == "cpu" and dtype in native.SUFFIX
+             and shape.numel() <= DENSE_NATIVE_MAX_VALUES and width <= native.MAX_WIDTH)
+    if small and native_allowed and native.available():
         return NativeDenseSteps(chain, NativeDense(dtype, width))
+    if small and TORCH_PROGRAMS and len(shape) >= 1:
+        return TorchDenseSteps(chain, TorchDense(dtype, width))
     return ChainSteps(chain)
