@@ -46,7 +46,12 @@ def test_runs_whose_events_differ_are_refused():
             hops.align(timed, counted)
 
 
-def test_split_of_a_small_training_step_adds_up_to_its_measured_compute():
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_split_of_a_small_training_step_adds_up_to_its_measured_compute(mode, monkeypatch):
+    """Native kernels (their compiled phases) and torch's (their planned phases): every
+    layer step is counted, the parts add up, and the arithmetic-only replay lies between
+    the arithmetic spread evenly over the ranks and the measured step."""
+    monkeypatch.setenv("MGRIT_NATIVE", mode)
     case = replace(CURVES["w2"], name="w2-64", num_steps=64)
     result = hops.measure(case, 4, warmup=1, repeats=2, run=lambda fn, *args: fn(*args),
                           rounds=5)
@@ -66,6 +71,14 @@ def test_split_of_a_small_training_step_adds_up_to_its_measured_compute():
         f"two forward cycles step every layer at least once: {layers}")
     assert layers["adj_native"] + layers["adj_torch"] > 0, layers
     assert critical["counts"]["frames"] <= busy["counts"]["frames"], "the path is part of all"
+    if mode == "torch":
+        assert layers["fwd_native"] == layers["adj_native"] == 0, layers
+    low, ideal = result["floor"], result["floor_no_latency"]
+    assert math.isclose(low["arithmetic"], busy["arithmetic"], rel_tol=1e-9), (
+        "the cut spans hold all ranks' arithmetic")
+    assert low["arithmetic"] / 4 <= ideal["predicted"] <= low["predicted"]
+    assert low["predicted"] < result["predicted"]
+    assert low["critical"]["hops"] > 0 and ideal["critical"]["communication"] >= 0
 
 
 def test_every_hierarchy_variant_fits_w2_and_predicts_a_step():

@@ -8,7 +8,9 @@ same deterministic program (another fresh process, every event matched one to on
 timed run's) counts per compute span the Python calls, aten ops and those that allocate,
 calls into native kernels, and forward and adjoint layer steps, split by whether a native
 kernel computed them. Unit costs measured on warm data turn counts into seconds; Python is
-what the other categories leave of the measured span time.
+what the other categories leave of the measured span time. The same traces replayed with
+every compute span cut to its layer arithmetic (`floor`) give the step of an implementation
+that did nothing else, with the same messages: what no cut to fixed costs can go below.
 
     python -m benchmarks.scaling.hops [--ranks 64] [--json PATH] [--processes N]
 """
@@ -197,6 +199,25 @@ def _native_counter(fn: Callable) -> Callable:
     return call
 
 
+def _torch_program_counter(call: Callable) -> Callable:
+    """`TorchProgram.__call__` that counts its steps as layers on torch's kernels (an
+    adjoint program, those whose cotangent is not all zeros, read after the call as for a
+    native program)."""
+    def counted(self: Any) -> None:
+        call(self)
+        counts = getattr(_local, "counts", None)
+        if counts is not None and counts.active and not counts.inside:
+            counts.active = False
+            if self._adjoint:
+                counts.n[COUNTS.index("adj_torch")] += sum(bool(step[1].any())
+                                                           for step in self._steps)
+            else:
+                counts.n[COUNTS.index("fwd_torch")] += self.count
+            counts.active = True
+    _skipped.add(counted.__code__)
+    return counted
+
+
 def _calibrate() -> None:
     """The code the dispatch mode runs around an op: what a few ops call from here."""
     a = torch.ones(1, 32)
@@ -233,7 +254,9 @@ def counting() -> Iterator[dict[int, CountingTracer]]:
                     else {k: wrap(v) for k, v in value.items()} if isinstance(value, dict)
                     else wrap(value))
     patches = [(virtual, "Tracer", CountingTracer), (virtual, "TracingComm", tracing),
-               (dense.NativeDense, "__init__", native_init)]
+               (dense.NativeDense, "__init__", native_init),
+               (dense.TorchProgram, "__call__",
+                _torch_program_counter(dense.TorchProgram.__call__))]
     for cls in (steps.ChainSteps, *steps.ChainSteps.__subclasses__()):
         patches += [(cls, n, _layer_counter(n, f)) for n, f in vars(cls).items()
                     if n in LAYER_METHODS]
@@ -315,14 +338,33 @@ def split(spans: list[tuple[float, list[int]]], units: dict[str, float]) -> dict
     allocation from counts and units, Python the rest; with the summed counts."""
     n = dict(zip(COUNTS, (sum(c[k] for _, c in spans) for k in range(len(COUNTS)))))
     total = sum(s for s, _ in spans)
-    arithmetic = sum(n[k] * units[k] for k in ("fwd_native", "fwd_torch", "adj_native",
-                                                "adj_torch"))
+    arithmetic_ = arithmetic([n[k] for k in COUNTS], units)
     dispatch = (n["ops"] - n["allocs"]) * units["op"] + n["native"] * units["native_call"]
     allocation = n["allocs"] * (units["op"] + units["alloc"])
-    python = total - arithmetic - dispatch - allocation
+    python = total - arithmetic_ - dispatch - allocation
     return {"spans": len(spans), "compute": total, "python": python, "dispatch": dispatch,
-            "allocation": allocation, "arithmetic": arithmetic, "counts": n,
+            "allocation": allocation, "arithmetic": arithmetic_, "counts": n,
             "per_frame": python / n["frames"] if n["frames"] else 0.0}
+
+
+def arithmetic(counts: list[int], units: dict[str, float]) -> float:
+    """Seconds of the layer arithmetic that a span's counts hold."""
+    return sum(counts[COUNTS.index(k)] * units[k]
+               for k in ("fwd_native", "fwd_torch", "adj_native", "adj_torch"))
+
+
+def floor(traces: list[list[Event]], counts: list[dict[int, list[int]]],
+          units: dict[str, float], network: Interconnect) -> dict[str, Any]:
+    """The replay of `traces` with every compute span cut to its layer arithmetic (its
+    counts times the unit costs): the step of an implementation whose ranks did nothing but
+    the layers' arithmetic, with the same steps, messages and collectives on the same
+    network. The arithmetic is priced batched, so the figure is if anything low."""
+    zero = [0] * len(COUNTS)
+    cut = [[["compute", arithmetic(counts[r].get(i, zero), units)] if e[0] == "compute"
+            else e for i, e in enumerate(t)] for r, t in enumerate(traces)]
+    pred = replay(cut, network)
+    return {"predicted": pred.total, "critical": pred.critical,
+            "arithmetic": sum(e[1] for t in cut for e in t if e[0] == "compute")}
 
 
 def measure(case: ScalingCase, ranks: int, warmup: int = 3, repeats: int = 3,
@@ -351,6 +393,9 @@ def measure(case: ScalingCase, ranks: int, warmup: int = 3, repeats: int = 3,
             "case": case.name, "ranks": ranks, "warmup": warmup, "repeats": repeats,
             "processes": processes, "network": vars(network), "predicted": pred.total,
             "critical": pred.critical, "units": units, "sends": sends,
+            "floor": floor(traces, counts, units, network),
+            "floor_no_latency": floor(traces, counts, units,
+                                      Interconnect(0.0, network.bandwidth, network.overhead)),
             "columns": {"critical": split(critical, units), "busy": split(busy, units),
                         "short": split([s for s in critical if s[0] < SHORT], units),
                         "long": split([s for s in critical if s[0] >= SHORT], units)}}
@@ -406,6 +451,12 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {env['torch']}: predicted {result['predicted'] * 1e3:.3f} ms, "
           f"{result['critical']['hops']} hops\n")
     print(table(result))
+    low = result["floor"]
+    print(f"\nlayer arithmetic only (every span cut to its arithmetic, same messages): "
+          f"predicted {low['predicted'] * 1e3:.3f} ms, {low['critical']['hops']} hops, "
+          f"{low['critical']['communication'] * 1e3:.3f} ms of them; all ranks' arithmetic "
+          f"{low['arithmetic'] * 1e3:.3f} ms; with no latency "
+          f"{result['floor_no_latency']['predicted'] * 1e3:.3f} ms")
     print("\nunits (us): " + ", ".join(f"{k} {v * 1e6:.3f}" for k, v in result["units"].items()))
     if args.json:
         with open(args.json, "w") as f:
