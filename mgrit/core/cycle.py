@@ -392,6 +392,26 @@ class Solver:
         self.comm.allreduce_sum_(buf)
         return [math.sqrt(x) for x in buf.tolist()]
 
+    def _residuals_and_final(self, local: list[float], like: Tensor) -> tuple[list[float],
+                                                                             Tensor]:
+        """`_residuals` and the state at t1 from the rank that holds it, in one reduction
+        instead of a reduction and a broadcast: every other rank adds -0.0 to each of its
+        values (in float64, which holds every float32 and float16 value exactly), which
+        leaves every value as it is, signed zeros included."""
+        count = len(local)
+        shaped = torch.view_as_real(like) if like.is_complex() else like
+        buf = torch.full((count + shaped.numel(),), -0.0, dtype=torch.float64)
+        buf[:count] = torch.tensor(local, dtype=torch.float64)
+        if self.comm.rank == self._final_owner:
+            fine = self.levels[0]
+            value = fine.u[fine.row(self.num_steps)]
+            buf[count:] = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
+        self.comm.allreduce_sum_(buf)
+        final = torch.empty_like(like)
+        (torch.view_as_real(final) if final.is_complex() else final).copy_(
+            buf[count:].view(shaped.shape))
+        return [math.sqrt(x) for x in buf[:count].tolist()], final
+
     def _check_divergence(self, residuals: list[float]) -> None:
         """Raise (every rank alike) at the first cycle whose residual is not finite or grew
         past divergence_factor times the first cycle's."""
@@ -443,7 +463,9 @@ class Solver:
     def solve(self, u0: Tensor, final: bool = True) -> Result:
         """Run cycles from the configured initial guess until converged or max_iter.
         `final=False`: the state at t1 is not needed (`Result.final` is None), so it is not
-        broadcast from its rank, a collective less at the end of the solve."""
+        broadcast from its rank, a collective less at the end of the solve. (A solve of a
+        fixed number of cycles, tol = 0, sends it with its residual norms, in the one
+        reduction it ends with.)"""
         try:
             return self._solve(u0, final)
         except Exception as err:
@@ -488,8 +510,12 @@ class Solver:
             if r <= threshold:
                 converged = True
                 break
+        final = None
         if deferred:
-            residuals = self._residuals(parts)
+            if want_final and self.comm.size > 1:
+                residuals, final = self._residuals_and_final(parts, u0)
+            else:
+                residuals = self._residuals(parts)
             if cfg.tol_kind == "relative":
                 initial = residuals.pop(0)
             self._check_divergence(residuals)
@@ -497,8 +523,7 @@ class Solver:
         self._drain()
         self._has_solved = True
         fine = self.levels[0]
-        final = None
-        if want_final:
+        if want_final and final is None:
             final = torch.zeros_like(u0)
             if self.comm.rank == self._final_owner:
                 final.copy_(fine.u[fine.row(self.num_steps)])
