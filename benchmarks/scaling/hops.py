@@ -257,7 +257,11 @@ def counting() -> Iterator[dict[int, CountingTracer]]:
                (dense.NativeDense, "__init__", native_init),
                (dense.TorchProgram, "__call__",
                 _torch_program_counter(dense.TorchProgram.__call__))]
-    for cls in (steps.ChainSteps, *steps.ChainSteps.__subclasses__()):
+    classes, todo = [], [steps.ChainSteps]
+    while todo:                 # every strategy class, subclasses of subclasses included
+        classes.append(todo.pop())
+        todo += classes[-1].__subclasses__()
+    for cls in classes:
         patches += [(cls, n, _layer_counter(n, f)) for n, f in vars(cls).items()
                     if n in LAYER_METHODS]
     saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in patches]

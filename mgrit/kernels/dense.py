@@ -200,11 +200,10 @@ class TorchDense:
     residual update) and of its single adjoint step, written into given tensors, so that a
     relaxation phase of such steps can be one planned call (`TorchProgram`) where torch's
     kernels run (MGRIT_NATIVE=torch, deterministic algorithms, no C compiler): no Python of
-    the solver's per-step machinery and no allocation per step. Batches are declined
-    (`max_batch` 0): `ChainSteps`'s batched products run them. A phase is planned where
-    its independent steps hold at most `max_phase` values."""
+    the solver's per-step machinery and no allocation per step. Batches are not its own:
+    `ChainSteps`'s batched products run them. A phase is planned where its independent
+    steps hold at most `max_phase` values."""
 
-    max_batch = 0
     max_phase = TORCH_DENSE_MAX_PHASE
 
     def __init__(self, dtype: torch.dtype, width: int) -> None:
@@ -233,15 +232,6 @@ class TorchDense:
         _forward(u2, w.t(), b, y, out.view(-1, d), None if g is None else g.view(-1, d), dt)
         return True
 
-    def step_batch(self, *args: object, **kwargs: object) -> bool:
-        """Declined: `ChainSteps`'s batched products run (a loop of single steps costs a
-        few views and calls per layer, more than they do)."""
-        return False
-
-    def vjp(self, *args: object, **kwargs: object) -> bool:
-        """Declined, as `step_batch`."""
-        return False
-
     def vjp_single(self, w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor,
                    g: Tensor | None = None) -> bool:
         """out = g + a + dt (a (1 - y^2)) w for one layer."""
@@ -260,10 +250,9 @@ class TorchDense:
         order; None where an operand does not suit."""
         if not operands or operands[0][4] is None:
             return None
-        width = len(operands[0])
-        if any(len(step) != width for step in operands):
+        if any(len(step) != len(operands[0]) for step in operands):
             return None
-        program = TorchProgram(self, adjoint, width, float(dt))
+        program = TorchProgram(self, adjoint, float(dt))
         return program if program.set_steps([list(step) for step in operands]) else None
 
 
@@ -307,10 +296,10 @@ class TorchProgram:
     loop of out= calls at every run. The operands are those of `NativeDense.program`;
     `set_operand` points one of them at other tensors, as `DenseProgram.set_operand`."""
 
-    __slots__ = ("_kernels", "_adjoint", "_width", "_dt", "_steps", "_plan", "count")
+    __slots__ = ("_kernels", "_adjoint", "_dt", "_steps", "_plan", "count")
 
-    def __init__(self, kernels: TorchDense, adjoint: bool, width: int, dt: float) -> None:
-        self._kernels, self._adjoint, self._width, self._dt = kernels, adjoint, width, dt
+    def __init__(self, kernels: TorchDense, adjoint: bool, dt: float) -> None:
+        self._kernels, self._adjoint, self._dt = kernels, adjoint, dt
         self._steps: list[list[Tensor | None]] = []
         self._plan: list[tuple] = []
         self.count = 0

@@ -293,6 +293,11 @@ class TorchDenseSteps(NativeDenseSteps):
     `ChainSteps`'s."""
 
     skips_zeros = False
+    # batches, batched adjoints and a single layer's parameter cotangents are ChainSteps's
+    batch = ChainSteps.batch
+    batch_into = ChainSteps.batch_into
+    vjp = ChainSteps.vjp
+    record_single_into = ChainSteps.record_single_into
 
     def __init__(self, chain: Chain, kernels: TorchDense) -> None:
         super().__init__(chain, kernels)     # type: ignore[arg-type]
