@@ -1,7 +1,9 @@
 """Compiled relaxation phases (MGRIT_NATIVE=auto) against their twin, the same native
 kernels called step by step from Python (MGRIT_NATIVE=kernels), and against torch's kernels:
 the phase kernels on random operands, and layer-parallel training on random shapes on 1-4
-virtual ranks (forward, adjoint, parameter gradients; float64 and float32)."""
+virtual ranks (forward, adjoint, parameter gradients; float64 and float32). The phase
+tests on random operands also take torch's planned phases (`TorchDense`, whose training
+tests are in test_torch_programs.py)."""
 
 import random
 
@@ -28,17 +30,17 @@ def _chained(count, rows, d, dtype, seed):
     return u, ws, bs, g
 
 
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("seed", range(4))
-def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
-    """A march of random length, width and rows, with and without g, as one compiled call
-    equals the same steps by the one-layer kernel in turn (each step reads the previous
-    one's output), and so does the adjoint's march with kept tanh values, zero cotangents
-    included."""
+def phases_against_steps(make, dtype, seed, zero_skips_y):
+    """A march of random length, width and rows, with and without g, and keeping the tanh
+    of every step, as one program of the kernels `make(dtype, width)` gives, equals the same
+    steps by their one-layer call in turn (each step reading the previous one's output), and
+    so does the adjoint's march with kept tanh values, a zero cotangent included (whose tanh
+    is NaN where `zero_skips_y`: the kernels must not read it). Returns what a test of the
+    adjoint's recorded cotangents goes on with: (kernels, ws, g, the cotangents a, the
+    adjoint march's result, the tanh values ys)."""
     rng = random.Random(seed)
     count, rows, d = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 40)
-    kernels = dense.NativeDense(dtype, d)
+    kernels = make(dtype, d)
     u, ws, bs, g = _chained(count, rows, d, dtype, seed)
     for with_g in (False, True):
         expected, got = u.clone(), u.clone()
@@ -66,8 +68,9 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
 
     ys = torch.tanh(torch.randn(count, rows, d, dtype=dtype))
     a = torch.randn(count + 1, rows, d, dtype=dtype)
-    a[0] = 0.0                    # a zero cotangent maps to g without reading y
-    ys[0] = float("nan")
+    a[0] = 0.0                    # a zero cotangent maps to g
+    if zero_skips_y:
+        ys[0] = float("nan")
     expected, got = a.clone(), a.clone()
     for n in range(count):
         assert kernels.vjp_single(ws[n], expected[n], ys[n], 0.2, expected[n + 1], g[n + 1])
@@ -76,6 +79,17 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
     program()
     assert torch.equal(got, expected)
     assert torch.equal(got[1], g[1])
+    return kernels, ws, g, a, expected, ys
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
+    """`phases_against_steps` on the native kernels (a zero cotangent's tanh not read), and
+    the adjoint's march recording parameter cotangents against the batched kernel's."""
+    kernels, ws, g, a, _, ys = phases_against_steps(dense.NativeDense, dtype, seed, True)
+    count, rows, d = ys.shape
 
     # recording the parameter cotangents too, as the adjoint's final sweep does
     xs = torch.randn(count, rows, d, dtype=dtype)
@@ -94,12 +108,21 @@ def test_a_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
     assert not gw_all[0].any() and not gb_all[0].any()     # a zero cotangent: zero
 
 
-@needs_native
-def test_a_phase_reads_an_operand_from_new_tensors_that_suit_it():
+def _kernels(name, request):
+    """The kernels whose programs a test takes: native (C; the `native_kernels` fixture
+    builds them or skips) or torch's (planned calls)."""
+    if name == "native":
+        request.getfixturevalue("native_kernels")
+        return dense.NativeDense
+    return dense.TorchDense
+
+
+@pytest.mark.parametrize("name", ["native", "torch"])
+def test_a_phase_reads_an_operand_from_new_tensors_that_suit_it(name, request):
     """`set_operand` points a program's steps at new tensors (the adjoint's kept tanh
     values of a new pass): the next run reads them; tensors of another size, dtype or
     layout are refused and the program keeps its old ones."""
-    kernels = dense.NativeDense(torch.float64, 5)
+    kernels = _kernels(name, request)(torch.float64, 5)
     u, ws, bs, g = _chained(3, 2, 5, torch.float64, 1)
     a = torch.randn(4, 2, 5, dtype=torch.float64)
     ys = [torch.tanh(torch.randn(2, 5, dtype=torch.float64)) for _ in range(3)]
@@ -118,11 +141,11 @@ def test_a_phase_reads_an_operand_from_new_tensors_that_suit_it():
     assert torch.equal(got, expected)
 
 
-@needs_native
-def test_a_phase_declines_operands_the_kernels_cannot_read():
+@pytest.mark.parametrize("name", ["native", "torch"])
+def test_a_phase_declines_operands_the_kernels_cannot_read(name, request):
     """Another dtype, a non-contiguous operand, a wrong size or a missing operand other
     than g: no program (the solver then takes the steps one by one)."""
-    kernels = dense.NativeDense(torch.float64, 4)
+    kernels = _kernels(name, request)(torch.float64, 4)
     u, ws, bs, g = _chained(2, 1, 4, torch.float64, 0)
     good = [(u[0], ws[0], bs[0], None, u[1]), (u[1], ws[1], bs[1], g[2], u[2])]
     assert kernels.program(good, 0.1, False) is not None

@@ -1,6 +1,7 @@
 """Relaxation phases of narrow dense tanh layers on torch's kernels (MGRIT_NATIVE=torch):
 `TorchDense` against `ChainSteps`, whose operations it makes into given tensors; its
-planned phases (`TorchProgram`) against their steps taken one by one; layer-parallel
+planned phases (`TorchProgram`) against their steps taken one by one (with the native
+programs' tests of test_compiled.py, which take both kernels); layer-parallel
 training with them on 1-4 virtual ranks against the same steps taken one by one (bit for
 bit) and against `ChainSteps` (to rounding)."""
 
@@ -14,7 +15,7 @@ from mgrit.kernels import dense, steps
 from mgrit.kernels.chain import Chain
 from mgrit.nn import propagators
 
-from test_compiled import _chained, _random_case, _train
+from test_compiled import _random_case, _train, phases_against_steps
 
 
 def _layer(d, dtype, seed):
@@ -48,48 +49,13 @@ def test_a_step_makes_the_operations_of_chain_steps(dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
 def test_a_planned_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, seed):
-    """A march of random length, width and rows as one planned call equals the same steps
-    taken in turn: forward with and without g, keeping the tanh, adjoint with zero
-    cotangents, and recording parameter cotangents (those against the batched products of
-    `ChainSteps`, to rounding)."""
-    rng = random.Random(seed)
-    count, rows, d = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 40)
-    kernels = dense.TorchDense(dtype, d)
-    u, ws, bs, g = _chained(count, rows, d, dtype, seed)
-    for with_g in (False, True):
-        expected, got = u.clone(), u.clone()
-        for n in range(count):
-            assert kernels.step(expected[n], ws[n], bs[n], 0.3, expected[n + 1],
-                                g[n + 1] if with_g else None)
-        program = kernels.program([(got[n], ws[n], bs[n], g[n + 1] if with_g else None,
-                                    got[n + 1]) for n in range(count)], 0.3, False)
-        program()
-        assert program.count == count
-        assert torch.equal(got, expected)
-        assert not torch.equal(got[1:], u[1:])      # it did write
-
-    expected, got = u.clone(), u.clone()
-    kept_one, kept_all = (torch.empty(count, rows, d, dtype=dtype) for _ in range(2))
-    for n in range(count):
-        assert kernels.step(expected[n], ws[n], bs[n], 0.3, expected[n + 1], g[n + 1],
-                            kept_one[n])
-    program = kernels.program([(got[n], ws[n], bs[n], g[n + 1], got[n + 1], kept_all[n])
-                               for n in range(count)], 0.3, False)
-    program()
-    assert torch.equal(got, expected) and torch.equal(kept_all, kept_one)
-
-    ys = torch.tanh(torch.randn(count, rows, d, dtype=dtype))
-    a = torch.randn(count + 1, rows, d, dtype=dtype)
-    a[0] = 0.0                    # a zero cotangent maps to g
-    expected, got = a.clone(), a.clone()
-    for n in range(count):
-        assert kernels.vjp_single(ws[n], expected[n], ys[n], 0.2, expected[n + 1], g[n + 1])
-    program = kernels.program([(ws[n], got[n], ys[n], g[n + 1], got[n + 1])
-                               for n in range(count)], 0.2, True)
-    program()
-    assert torch.equal(got, expected)
-    assert torch.equal(got[1], g[1])
-
+    """`phases_against_steps` on torch's kernels (forward with and without g, keeping the
+    tanh, adjoint with a zero cotangent), and the adjoint's march recording parameter
+    cotangents: its states as without, its cotangents those of `ChainSteps`'s batched
+    products to rounding."""
+    kernels, ws, g, a, expected, ys = phases_against_steps(dense.TorchDense, dtype, seed,
+                                                           False)
+    count, rows, d = ys.shape
     xs = torch.randn(count, rows, d, dtype=dtype)
     got = a.clone()
     gw, gb = torch.full((count, d, d), 7.0, dtype=dtype), torch.full((count, d), 7.0,
@@ -105,39 +71,6 @@ def test_a_planned_phase_gives_the_bits_of_its_steps_taken_one_by_one(dtype, see
     assert torch.allclose(gw, ref_w, rtol=tol, atol=tol)
     assert torch.allclose(gb, ref_b, rtol=tol, atol=tol)
     assert not gw[0].any() and not gb[0].any()     # a zero cotangent: zero
-
-
-def test_a_planned_phase_reads_new_operands_and_declines_what_does_not_suit():
-    """`set_operand` points a phase at new tensors of the right size, dtype and layout (the
-    next run reads them) and refuses others, keeping its old ones; a program is refused for
-    operands of another dtype, layout or size or a missing one but g."""
-    kernels = dense.TorchDense(torch.float64, 5)
-    u, ws, bs, g = _chained(3, 2, 5, torch.float64, 1)
-    a = torch.randn(4, 2, 5, dtype=torch.float64)
-    ys = [torch.tanh(torch.randn(2, 5, dtype=torch.float64)) for _ in range(3)]
-    got = a.clone()
-    program = kernels.program([(ws[n], got[n], ys[n], None, got[n + 1]) for n in range(3)],
-                              0.2, True)
-    fresh = [torch.tanh(torch.randn(2, 5, dtype=torch.float64)) for _ in range(3)]
-    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2].float()])
-    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2][:1]])
-    assert not program.set_operand(2, [fresh[0], fresh[1], fresh[2].t()])
-    assert program.set_operand(2, fresh)
-    program()
-    expected = a.clone()
-    for n in range(3):
-        assert kernels.vjp_single(ws[n], expected[n], fresh[n], 0.2, expected[n + 1])
-    assert torch.equal(got, expected)
-
-    good = [(u[0], ws[0], bs[0], None, u[1]), (u[1], ws[1], bs[1], g[2], u[2])]
-    assert kernels.program(good, 0.1, False) is not None
-    bad = {"dtype": (u[0].float(), ws[0], bs[0], None, u[1]),
-           "layout": (u[0], ws[0].t(), bs[0], None, u[1]),
-           "size": (u[0], ws[0][:2], bs[0], None, u[1]),
-           "missing": (u[0], ws[0], None, None, u[1])}
-    for name, step in bad.items():
-        assert kernels.program([good[0], step], 0.1, False) is None, name
-    assert kernels.program([], 0.1, False) is None
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
