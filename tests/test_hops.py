@@ -96,3 +96,20 @@ def test_every_hierarchy_variant_fits_w2_and_predicts_a_step():
     point = variant_point("3 levels, m = 16, 4, F/FCF", 2, Interconnect(5e-6, 1e10, 1e-6),
                           repeats=1, warmup=1)
     assert point["seconds"] > 0 and point["critical"]["hops"] > 0
+
+
+def test_a_hierarchy_case_is_w2_with_that_hierarchy_and_travels_to_fresh_processes():
+    """`--variant`'s case: W2's workload with the variant's settings in both solves (the
+    rest of W2 as it is), and a value that a fresh process can be handed."""
+    import pickle
+
+    from benchmarks.scaling.hierarchies import VARIANTS, HierarchyCase, config
+
+    base = CURVES["w2"].work()
+    for name, (levels, coarsening, relax) in VARIANTS.items():
+        case = pickle.loads(pickle.dumps(HierarchyCase(name)))
+        work = case.work()
+        assert case.name == name
+        assert work.forward == config("forward", levels, coarsening, relax)
+        assert work.backward == config("backward", levels, coarsening, relax)
+        assert work.network().num_steps == base.network().num_steps == 1024

@@ -9,7 +9,7 @@ the cluster network.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mgrit import Config
@@ -46,6 +46,17 @@ def variant_work(name: str) -> TrainingWorkload:
     base = CURVES["w2"].work()
     return replace(base, forward=config("forward", levels, coarsening, relax),
                    backward=config("backward", levels, coarsening, relax))
+
+
+@dataclass(frozen=True)
+class HierarchyCase:
+    """W2 with hierarchy `name`, as a case of the tools that take one (its name and its
+    workload: `benchmarks.scaling.hops --variant`)."""
+
+    name: str
+
+    def work(self, num_steps: int | None = None) -> TrainingWorkload:
+        return variant_work(self.name)
 
 
 def variant_point(name: str, ranks: int, network: Interconnect, repeats: int = 3,

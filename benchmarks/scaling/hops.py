@@ -439,6 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--case", default="w2",
                         choices=[n for n, c in CURVES.items() if not c.costed])
+    parser.add_argument("--variant", type=int,
+                        help="W2 with this hierarchy of benchmarks.scaling.hierarchies "
+                             "(its number in VARIANTS, 0 the default) instead of --case")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--processes", type=int, default=1,
@@ -448,10 +451,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     network = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, args.overhead)
-    result = measure(CURVES[args.case], args.ranks, args.warmup, args.repeats, network,
-                     args.processes)
+    case: Any = CURVES[args.case]
+    if args.variant is not None:
+        from .hierarchies import VARIANTS, HierarchyCase
+
+        case = HierarchyCase(list(VARIANTS)[args.variant])
+    result = measure(case, args.ranks, args.warmup, args.repeats, network, args.processes)
     env = result["environment"]
-    print(f"{args.case} on {args.ranks} virtual ranks, MGRIT_NATIVE={env['MGRIT_NATIVE']}, "
+    print(f"{case.name} on {args.ranks} virtual ranks, MGRIT_NATIVE={env['MGRIT_NATIVE']}, "
           f"torch {env['torch']}: predicted {result['predicted'] * 1e3:.3f} ms, "
           f"{result['critical']['hops']} hops\n")
     print(table(result))
