@@ -109,8 +109,7 @@ def _separately(solver, u0):
     res = solver.solve(u0, final=False)
     final = torch.zeros_like(u0)
     if solver.comm.rank == solver._final_owner:
-        fine = solver.levels[0]
-        final.copy_(fine.u[fine.row(solver.num_steps)])
+        final.copy_(solver._final_row())
     solver.comm.bcast_(final, solver._final_owner)
     res.final = final
     return res

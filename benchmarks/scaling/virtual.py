@@ -169,13 +169,18 @@ def rank_traces(work: TrainingWorkload, built: tuple, comm: Comm, repeats: int, 
     if kernels is not None:
         kernels.attach(tracer)
     model = shared_model(work, net, layers, TracingComm(comm, tracer))
-    step = traced_step(model, work, x, y, tracer)
+    return _repeat_traced(tracer, traced_step(model, work, x, y, tracer), repeats, warmup)
+
+
+def _repeat_traced(tracer: Tracer, run: Callable[[], object], repeats: int, warmup: int
+                   ) -> list[list[Event]]:
+    """`run()` `warmup` times untraced, then `repeats` times, each one's trace kept."""
     for _ in range(warmup):
-        step()
+        run()
     traces = []
     for _ in range(repeats):
         tracer.start()
-        step()
+        run()
         traces.append(tracer.stop())
     return traces
 
@@ -189,15 +194,7 @@ def virtual_solve_traces(ranks: int, repeats: int = 7, warmup: int = 10
     def program(comm: Comm) -> list[list[Event]]:
         tracer = Tracer(time.thread_time)
         traced = TracingComm(comm, tracer)
-        run = lambda: work.solve(comm=traced)  # noqa: E731
-        for _ in range(warmup):
-            run()
-        traces = []
-        for _ in range(repeats):
-            tracer.start()
-            run()
-            traces.append(tracer.stop())
-        return traces
+        return _repeat_traced(tracer, lambda: work.solve(comm=traced), repeats, warmup)
 
     by_rank = run_ranks(ranks, program)
     return [[by_rank[r][k] for r in range(ranks)] for k in range(repeats)]

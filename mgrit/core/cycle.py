@@ -392,6 +392,11 @@ class Solver:
         self.comm.allreduce_sum_(buf)
         return [math.sqrt(x) for x in buf.tolist()]
 
+    def _final_row(self) -> Tensor:
+        """The state at t1 in level 0's storage (on the rank that holds it)."""
+        fine = self.levels[0]
+        return fine.u[fine.row(self.num_steps)]
+
     def _residuals_and_final(self, local: list[float], like: Tensor) -> tuple[list[float],
                                                                              Tensor]:
         """`_residuals` and the state at t1 from the rank that holds it, in one reduction
@@ -403,8 +408,7 @@ class Solver:
         buf = torch.full((count + shaped.numel(),), -0.0, dtype=torch.float64)
         buf[:count] = torch.tensor(local, dtype=torch.float64)
         if self.comm.rank == self._final_owner:
-            fine = self.levels[0]
-            value = fine.u[fine.row(self.num_steps)]
+            value = self._final_row()
             buf[count:] = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
         self.comm.allreduce_sum_(buf)
         final = torch.empty_like(like)
@@ -526,7 +530,7 @@ class Solver:
         if want_final and final is None:
             final = torch.zeros_like(u0)
             if self.comm.rank == self._final_owner:
-                final.copy_(fine.u[fine.row(self.num_steps)])
+                final.copy_(self._final_row())
             self.comm.bcast_(final, self._final_owner)
         return Result(residuals=residuals, iterations=len(residuals), converged=converged,
                       final=final, states=fine.u[1:], first_index=fine.first,
