@@ -134,6 +134,21 @@ def print_ranks(work: SolveWorkload, serial: dict[str, Any], records: list[dict[
 
 
 ALL_WORKLOADS = sorted(SOLVE_WORKLOADS) + sorted(TRAINING_WORKLOADS) + ["w3"]
+# one line each for --help; written out rather than built from the workloads, since building
+# W4 or W5 reads a corpus or a data set (docs/design.md, section 6 has them in full)
+WORKLOAD_HELP = {
+    "w0": "Dahlquist u' = -u, N = 16384, 5 levels: residuals against PyMGRIT, solve vs "
+          "sequential stepping",
+    "heat": "heat equation, nx = 20001, N = 1024: a costly step, solve vs sequential "
+            "stepping",
+    "w1": "conv ResNet, 3 channels, N = 32, batch 50: training step and forward vs serial, "
+          "layer-wise, GPipe",
+    "w2": "dense tanh ResNet, width 32, N = 1024, batch 1: training step and forward",
+    "w2b": "W2 with batch 32",
+    "w3": "dense ResNet on the digits, N = 32: test accuracy, serial vs layer-parallel",
+    "w4": "GPT-style character transformer, N = 32 blocks: training step and forward",
+    "w5": "ViT on the 8x8 digits, N = 16 blocks: training step and forward",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,10 +214,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mgrit bench", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """`mgrit bench`'s parser, its workloads listed one line each under --help."""
+    parser = argparse.ArgumentParser(
+        prog="mgrit bench", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="workloads:\n" + "\n".join(f"  {name:<6}{WORKLOAD_HELP[name]}"
+                                          for name in ALL_WORKLOADS))
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -218,7 +218,8 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench.main(args.arguments)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `mgrit` command's parser (also read by the test that the docs' commands parse)."""
     parser = argparse.ArgumentParser(prog="mgrit", description="Multigrid reduction in time "
                                      "for time stepping and layer-parallel ResNet training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,7 +253,18 @@ def main(argv: list[str] | None = None) -> int:
                      "(default 1e10)")
     rep.add_argument("--overhead", type=float, default=1e-6, help="sender's seconds per "
                      "message (default 1e-6)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # argparse hands a leading flag such as --help to the top parser, not to the
+        # remainder: `mgrit bench --help` would fail; the benchmarks' own parser reads it all
+        args = argparse.Namespace(command="bench", arguments=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     handlers = {"train": run_train, "compare": run_compare, "bench": run_bench,
                 "demo": demo.run, "replay": run_replay}
     try:
