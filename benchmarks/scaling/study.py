@@ -274,9 +274,20 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="cases:\n  w2       dense tanh ResNet, 1024 layers, batch 1 (the study)\n"
+               "  w1-1024  conv ResNet, 1024 layers, batch 50 (the study)\n"
+               + "\n".join(f"  {n:<8} {c.work().description.split(',')[0]}, {c.num_steps} layers "
+                           "(--cases)"
+                           for n, c in TRANSFORMER_CURVES.items())
+               + "\n\nOUT_DIR docs/results --docs docs/scaling.md also rewrites the page's "
+                 "generated tables\n(benchmarks/scaling/docs.py); the text around them stays.")
+    parser.add_argument("out", type=Path, metavar="OUT_DIR", help="where the JSON record and "
+                        "figures/ go (docs/results for the published ones)")
+    parser.add_argument("--docs", type=Path, metavar="PAGE", help="after the study, rewrite "
+                        "the generated tables of PAGE (docs/scaling.md) from OUT_DIR's records")
     parser.add_argument("--cases", help="comma-separated cases of the transformers' curves "
                         f"to predict instead of the study: {', '.join(TRANSFORMER_CURVES)}")
     parser.add_argument("--ranks", help="with --cases: comma-separated rank counts (default "
@@ -303,3 +314,8 @@ def main(argv: list[str]) -> None:
     (args.out / "figures").mkdir(exist_ok=True)
     plot(result, args.out / "figures" / f"{stem}.png")
     print_tables(result)
+    if args.docs and not names:
+        from .docs import update
+
+        log.info("rewrote %s in %s", ", ".join(update(args.docs, args.out, {"scaling.json"})),
+                 args.docs)
