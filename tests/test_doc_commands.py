@@ -10,6 +10,7 @@ import re
 import runpy
 import shlex
 import sys
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -98,7 +99,10 @@ def module_flags(module: str) -> set[str] | None:
     argv = sys.argv
     sys.argv = [module, "--help"]
     try:
-        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit), \
+                warnings.catch_warnings():
+            # runpy warns that the package imported the module first; it runs it anyway
+            warnings.simplefilter("ignore", RuntimeWarning)
             runpy.run_module(module, run_name="__main__", alter_sys=False)
     finally:
         sys.argv = argv

@@ -13,7 +13,7 @@ from benchmarks.scaling import docs
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "docs" / "results"
-PAGES = [ROOT / "docs" / "scaling.md", ROOT / "docs" / "results.md"]
+PAGES = [ROOT / "docs" / f"{n}.md" for n in ("scaling", "results", "performance")]
 
 
 def outside(text: str) -> str:

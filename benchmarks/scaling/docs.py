@@ -1,5 +1,5 @@
-"""The measured tables of the docs (docs/scaling.md, docs/results.md), written from the JSON
-records under docs/results/.
+"""The docs' measured tables (docs/scaling.md, results.md, performance.md), written from
+the JSON records under docs/results/.
 
 Each table sits between `<!-- begin generated: NAME -->` and `<!-- end generated -->`; a
 rewrite replaces what lies between a table's markers and nothing else, so the hand-written
@@ -143,6 +143,21 @@ def gpu_table(record: dict[str, Any]) -> str:
                    "vs eager", "launches", "GPU ops"], rows)
 
 
+def check_table(record: dict[str, Any]) -> str:
+    """`make bench-check`'s figures (benchmarks/check.py --json), mgrit's own sequential
+    stepping first where a figure has it."""
+    order = sorted(record["results"], key=lambda f: ("sequential" not in f, f))
+    rows = []
+    for figure in order:
+        r = record["results"][figure]
+        rows.append([figure, f"{r['baseline_seconds'] * 1e3:.2f} ms",
+                     f"{r['mgrit_seconds'] * 1e3:.2f} ms", f"**{r['speedup']:.2f}**",
+                     f"{record['floors'][figure]:.2f}",
+                     "MGRIT" if r["speedup"] > 1 else "the baseline"])
+    return _table(["figure (MGRIT vs baseline)", "baseline", "MGRIT", "speedup",
+                   "floor", "faster"], rows)
+
+
 # section name -> (the record under docs/results it is written from, the writer)
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "validation": ("scaling.json", validation_table),
@@ -156,6 +171,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "native": ("scaling.json", native_table),
     "ranks-h200": ("ranks-h200.json", ranks_table),
     "gpu-h200": ("gpu-h200.json", gpu_table),
+    "bench-check": ("bench-check.json", check_table),
 }
 
 
@@ -188,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("docs/results"),
                         help="folder of the JSON records (default: docs/results)")
     parser.add_argument("--doc", type=Path, action="append", help="a page to rewrite, "
-                        "repeatable (default: docs/scaling.md and docs/results.md)")
+                        "repeatable (default: docs/scaling.md, results.md and performance.md)")
     args = parser.parse_args(argv)
-    for doc in args.doc or [Path("docs/scaling.md"), Path("docs/results.md")]:
+    for doc in args.doc or [Path(f"docs/{n}.md") for n in ("scaling", "results", "performance")]:
         print(f"{doc}: rewrote", ", ".join(update(doc, args.results)) or "nothing")
     return 0
 
