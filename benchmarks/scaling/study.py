@@ -293,6 +293,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ranks", help="with --cases: comma-separated rank counts (default "
                         "1, 2, 4, ..., 1024; each case runs on those it can use)")
     args = parser.parse_args(argv)
+    if args.docs and args.cases:
+        parser.error("--docs goes with the study; the --cases records are written to the "
+                     "page by python -m benchmarks.scaling.docs")
+    if args.docs and not args.docs.is_file():
+        parser.error(f"--docs {args.docs}: no such page")
     if args.ranks and not args.cases:
         parser.error("--ranks goes with --cases (the study's rank counts are fixed)")
     names = args.cases.split(",") if args.cases else []
@@ -314,7 +319,7 @@ def main(argv: list[str]) -> None:
     (args.out / "figures").mkdir(exist_ok=True)
     plot(result, args.out / "figures" / f"{stem}.png")
     print_tables(result)
-    if args.docs and not names:
+    if args.docs:
         from .docs import update
 
         log.info("rewrote %s in %s", ", ".join(update(args.docs, args.out, {"scaling.json"})),
