@@ -21,7 +21,7 @@ from mgrit.core.config import Config
 from mgrit.kernels.choice import torch_kernels
 from mgrit.nn import LayerParallel, draws
 from mgrit.nn.defaults import training_config
-from mgrit.kernels.steps import is_dense_tanh
+from mgrit.kernels.strategies import is_dense_tanh
 
 from .baselines import GPipe, LayerwiseModelParallel
 from .timing import median_seconds

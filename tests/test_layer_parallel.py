@@ -512,12 +512,12 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
     numbers as autograd on the layer. (With torch's chain kernels: the native ones take a
     whole batch in C, zero entries included.)"""
     from mgrit.core.propagator import StepBatch
-    from mgrit.kernels import steps
-    from mgrit.kernels.steps import ChainSteps
+    from mgrit.kernels import strategies
+    from mgrit.kernels.strategies import ChainSteps
     from mgrit.nn.propagators import AdjointPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
-    monkeypatch.setattr(steps, "TORCH_PROGRAMS", False)
+    monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
     model, _ = build(kind, 16)
     x, _ = data(kind, 4)
     shape = model.opening(x).shape

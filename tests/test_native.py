@@ -17,7 +17,7 @@ from torch import nn
 import mgrit
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import build as kernel_build
-from mgrit.kernels import chain, choice, dense, native, steps
+from mgrit.kernels import chain, choice, dense, native, strategies
 from mgrit.kernels.chain import Chain
 
 from nets import build, data, owned_pairs, relative
@@ -582,8 +582,8 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     recorded = []
-    original = steps.NativeDenseSteps.record_single_into
-    monkeypatch.setattr(steps.NativeDenseSteps, "record_single_into",
+    original = strategies.NativeDenseSteps.record_single_into
+    monkeypatch.setattr(strategies.NativeDenseSteps, "record_single_into",
                         lambda self, *a: recorded.append(original(self, *a)) or recorded[-1])
 
     def program(comm):
@@ -695,16 +695,16 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
     chain = Chain.of(nn.Sequential(nn.Linear(d, d), nn.Tanh()))
     at = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d, d])
     past = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d + 1, d])
-    assert type(steps.chain_steps(chain, at, dtype, cpu, True)) is steps.NativeDenseSteps
-    assert type(steps.chain_steps(chain, past, dtype, cpu, True)) is steps.ChainSteps
-    assert type(steps.chain_steps(chain, at, dtype, cpu, False)) is steps.TorchDenseSteps
-    assert type(steps.chain_steps(chain, past, dtype, cpu, False)) is steps.ChainSteps
-    monkeypatch.setattr(steps, "TORCH_PROGRAMS", False)
-    assert type(steps.chain_steps(chain, at, dtype, cpu, False)) is steps.ChainSteps
+    assert type(strategies.chain_steps(chain, at, dtype, cpu, True)) is strategies.NativeDenseSteps
+    assert type(strategies.chain_steps(chain, past, dtype, cpu, True)) is strategies.ChainSteps
+    assert type(strategies.chain_steps(chain, at, dtype, cpu, False)) is strategies.TorchDenseSteps
+    assert type(strategies.chain_steps(chain, past, dtype, cpu, False)) is strategies.ChainSteps
+    monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
+    assert type(strategies.chain_steps(chain, at, dtype, cpu, False)) is strategies.ChainSteps
     monkeypatch.undo()
 
     rows = 4
-    strategy = steps.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)
+    strategy = strategies.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)
     calls = _count_native(monkeypatch)
     limit = strategy.kernels.max_batch
     assert limit == (math.inf if native.vector_tanh() else dense.DENSE_NATIVE_MAX_BATCH)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mgrit.kernels import dense, steps
+from mgrit.kernels import dense, strategies
 from mgrit.kernels.chain import Chain
 from mgrit.nn import propagators
 
@@ -32,7 +32,7 @@ def test_a_step_makes_the_operations_of_chain_steps(dtype, seed):
     rng = random.Random(seed)
     rows, d = rng.randint(1, 4), rng.randint(1, 40)
     t, chain = _layer(d, dtype, seed)
-    ours, theirs = dense.TorchDense(dtype, d), steps.ChainSteps(chain)
+    ours, theirs = dense.TorchDense(dtype, d), strategies.ChainSteps(chain)
     gen = torch.Generator().manual_seed(seed)
     u, g, w = (torch.randn(rows, d, generator=gen, dtype=dtype) for _ in range(3))
     for with_g in (None, g):
@@ -94,7 +94,7 @@ def test_training_with_planned_phases_equals_chain_steps(ranks, dtype, monkeypat
         assert ran, case
         monkeypatch.setattr(propagators, "compiled_phases", lambda: False)
         stepwise = _train("torch", ranks, case, dtype, monkeypatch)
-        monkeypatch.setattr(steps, "TORCH_PROGRAMS", False)
+        monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
         plain = _train("torch", ranks, case, dtype, monkeypatch)
         monkeypatch.undo()
         monkeypatch.setattr(dense.TorchProgram, "__call__", count)

@@ -26,7 +26,7 @@ DENSE_NATIVE_MAX_BATCH = 256
 class NativeDense:
     """The residual step u + dt tanh(u W^T + b) of a `Linear(d, d) -> Tanh` layer and its
     adjoint on `mgrit.kernels.native`'s fused kernels (CPU, float32/float64): one C call per step
-    or batch of layers where torch takes four or five (`mgrit.kernels.steps.chain_steps`
+    or batch of layers where torch takes four or five (`mgrit.kernels.strategies.chain_steps`
     decides where they run). Its calls return False, having done nothing, where an operand's
     layout does not suit them (the caller then computes with torch). No autograd graph is
     recorded: the callers pass detached tensors. A width above the kernels' limit

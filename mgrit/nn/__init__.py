@@ -2,8 +2,8 @@
 
 `LayerParallel` is an `nn.Module` whose forward and backward (adjoint) passes are MGRIT
 solves over the layers a rank owns (`stack.LayerStack`). It composes the forward and
-adjoint propagators (`propagators`, computing through a step strategy chosen by `steps`),
-their solvers (`passes`), the copies of other ranks' layers (`ghosts`), parameter gradients
+adjoint propagators (`propagators`, computing through a step strategy chosen by
+`module_strategy`), their solvers (`passes`), the copies of other ranks' layers (`ghosts`), parameter gradients
 (`gradients`) and checkpoints and export (`checkpoint`); `serial_resnet` is the plain
 network it computes, `blocks` builds both from one description, `defaults` holds
 training's solver settings; `randomness` defines the keyed random draws of stochastic layers

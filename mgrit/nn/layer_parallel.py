@@ -27,7 +27,7 @@ from .ghosts import GhostExchange
 from .gradients import average_gradients, context_gradients, layer_gradients
 from .passes import Passes
 from .stack import LayerStack, build_layers
-from .steps import CONTEXT
+from .module_strategy import CONTEXT
 
 
 class _ODESolve(torch.autograd.Function):
@@ -399,7 +399,7 @@ def _grids(kind: str, cfg: Any, num_steps: int) -> list[LevelGrid]:
 def _draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:
     """Whether the step module draws from torch's generator in training mode (beyond the
     keyed `Dropout`s): it then fails vmap's randomness check. Such modules run layer by
-    layer, each seeded with its key (`mgrit.nn.steps`)."""
+    layer, each seeded with its key (`mgrit.nn.module_strategy`)."""
     from torch.func import vmap
 
     from . import randomness as draws

@@ -4,8 +4,8 @@ Forward:  Phi_n(u) = u + dt * f(u; theta_n)
 Adjoint:  on the reversed grid, w -> w + dt * (df/du)(u_p; theta_p)^T w, with p the
           forward point where the corresponding forward step starts.
 
-Both compute through a step strategy (`mgrit.nn.steps`) chosen once per solve for their
-states' shape, dtype and device; what is theirs is the bookkeeping around it: which layer a
+Both compute through a step strategy (`mgrit.nn.module_strategy`) chosen once per solve
+for their states' shape, dtype and device; what is theirs is the bookkeeping around it: which layer a
 step uses, the op outputs the forward pass keeps for the adjoint, the adjoint's skipping of
 zero cotangents and the parameter cotangents of its final fine sweep.
 """
@@ -21,9 +21,10 @@ from torch import Tensor
 from ..core.propagator import Step, StepBatch
 from ..execute import write_result
 from ..kernels.choice import compiled_phases
-from ..kernels.steps import Kept, Tensors
+from ..kernels.contract import has_phases
+from ..kernels.strategies import Kept, Tensors
 from .stack import LayerStack
-from .steps import StepSelection
+from .module_strategy import StepSelection
 
 
 def _nonzero_rows(x: Tensor) -> list[bool]:
@@ -50,8 +51,8 @@ def _program_key(kernels: object, method: str, stack: LayerStack, values: int
                  ) -> tuple[Hashable | None, int]:
     """(key, most independent steps) of a solve's compiled phases: the parameters' storage
     and the strategy, where compiled phases may run (`compiled_phases`) and the strategy
-    has them (`method`); (None, 0) otherwise."""
-    if not (compiled_phases() and hasattr(kernels, method)):
+    is a `PhaseStrategy` (`method`: the phase that asks); (None, 0) otherwise."""
+    if not (compiled_phases() and has_phases(kernels)):
         return None, 0
     return ((stack.storage_key(), id(kernels)),
             kernels.program_parallel(values, method == "vjp_program"))
@@ -88,7 +89,7 @@ class NetworkPropagator:
         self._program_key, self._max_parallel = _program_key(self.kernels, "program",
                                                              self.stack, self._values)
         self._keep_key = (None if self._program_key is None or self.outputs is None
-                          or not hasattr(self.kernels, "keep_program")
+                          or not has_phases(self.kernels)
                           else (*self._program_key, "keep"))
 
     def program_key(self, level: int, parallel: int) -> Hashable | None:

@@ -1,29 +1,13 @@
 """Residual steps of a stack of layers, u + dt f(u), and their adjoints, as strategies chosen
 once per layer kind, device and dtype (`chain_steps`) instead of at every call.
 
-A strategy works on a layer's (or a batch of layers') tensors `t`, a dict of parameter name
-to tensor as `LayerStack` hands them out, and offers:
-
-  step(t, u, dt)                          u + dt f(u) for one layer, a new tensor
-  step_into(t, u, dt, out, g, keep)       out = g + u + dt f(u) (g None: no g), in place
-  batch(t, states, dt)                    the same for a batch of layers, a new tensor
-  batch_into(t, states, dt, out, g, keep)
-  values(t, us) / single_values(t, u)     the op outputs of f at a batch / one state: what
-                                          the adjoint linearises with ("kept" outputs)
-  gather(us, kept)                        kept outputs of several layers as one batch's
-  vjp(t, us, ws, dt, values, want_params) ws + dt (df/du)^T ws for a batch, and the
-                                          parameter cotangents (df/dtheta)^T ws if asked
-  vjp_single_into(t, w, dt, out, g, kept) out = g + w + dt (df/du)^T w for one layer
-
-`keep` asks the forward steps to return their op outputs, which the adjoint then reuses
-instead of evaluating f again. Kept outputs are (outputs, k): layer k of the batch whose op
-outputs `outputs` (per op: a stacked tensor or a list of per-layer tensors) a step returned.
+Each is a `StepStrategy` (`mgrit.kernels.contract` has the methods and what they compute),
+checked once per class when it is chosen.
 
 `ChainSteps` runs torch's kernels for a `Chain`; `NativeDenseSteps` and `CudaDenseSteps` run
 the hand-written kernels of a `Linear(d, d) -> Tanh` step on a CPU and a GPU, and fall back
 to `ChainSteps` where an operand's layout does not suit them. `skips_zeros` says whether a
-strategy's adjoint handles all-zero cotangents itself (the native kernels check in C);
-otherwise the caller skips them before asking.
+strategy's adjoint handles all-zero cotangents itself (the native kernels check in C).
 """
 
 from __future__ import annotations
@@ -37,10 +21,8 @@ from torch import Tensor, nn
 
 from . import native
 from .chain import Chain, _Activation, _Linear
+from .contract import Kept, Tensors
 from .dense import DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense, TorchDense
-
-Tensors = dict[str, Tensor]
-Kept = tuple[list, int]
 
 
 def add_step(out: Tensor, u: Tensor, f: Tensor, dt: float, g: Tensor | None) -> None:

@@ -1,6 +1,7 @@
-"""The step strategy of a rank's layers: the hand-written kernels of `mgrit.kernels.steps`
-for chains of Linear, Conv2d and activations, and `ModuleSteps` (torch.func) for any other
-step module; chosen once per propagator and solve (`select_steps`)."""
+"""The step strategy of a rank's layers: the hand-written kernels of
+`mgrit.kernels.strategies` for chains of Linear, Conv2d and activations, and `ModuleSteps`
+(torch.func) for any other step module; chosen once per propagator and solve
+(`StepSelection`) and checked against `mgrit.kernels.contract`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch import Tensor
 from torch.func import functional_call, vjp, vmap
 
 from ..kernels.choice import native_backend
-from ..kernels.steps import ChainSteps, Kept, Tensors, chain_steps
+from ..kernels.contract import Kept, StepStrategy, Tensors, check_strategy
+from ..kernels.strategies import chain_steps
 from . import randomness as draws
 from .stack import LayerStack
 
@@ -173,9 +175,10 @@ class StepSelection:
     def __init__(self, stack: LayerStack, like: Tensor) -> None:
         self.stack = stack
         self._state = (like.shape, like.dtype, like.device)
-        self._chosen: dict[bool, ChainSteps | ModuleSteps] = {}
+        self._chosen: dict[tuple[bool, bool], StepStrategy] = {}
 
-    def current(self) -> ChainSteps | ModuleSteps:
+    def current(self) -> StepStrategy:
+        """The strategy of this solve, checked against its contract when first chosen."""
         native = native_backend() != "torch"
         # context inputs go to the module's own forward: only the general path takes them
         key = (native, bool(self.stack.context))
@@ -185,6 +188,7 @@ class StepSelection:
             steps = self._chosen[key] = (
                 ModuleSteps(self.stack) if chain is None or key[1]
                 else chain_steps(chain, *self._state, native))
+            check_strategy(steps)
         return steps
 
 
