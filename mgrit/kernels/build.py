@@ -1,7 +1,8 @@
 """Building and loading the hand-written kernels: C for the CPU, CUDA for NVIDIA GPUs.
 
-Both are compiled on first use, the same way: a `Recipe` names the sources (package data in
-`mgrit/kernels/csrc`), the compiler and the flags to try in order; the library is written
+Both are compiled on first use, the same way: a `Recipe` names the sources (package data:
+the C in `mgrit/kernels/csrc`, the CUDA in the repository's top-level `cuda/`, installed as
+`mgrit/cuda`), the compiler and the flags to try in order; the library is written
 into one cache folder ($MGRIT_CACHE_DIR, else $XDG_CACHE_HOME/mgrit, else ~/.cache/mgrit)
 under a name that hashes the sources, the compiler, the flags and the hardware it was
 compiled for, so a cache shared between machines never hands one a library built for
@@ -32,6 +33,18 @@ import torch
 
 _log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def _cuda_sources() -> Path:
+    """The folder of the CUDA sources: `mgrit/cuda` in an installed wheel (pyproject.toml maps
+    the package mgrit.cuda to the top-level `cuda/`), else `cuda/` beside the `mgrit`
+    package of a source tree, which an editable install and a PYTHONPATH checkout import."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "cuda"
+    return installed if installed.is_dir() else package.parent / "cuda"
+
+
+CUDA_SOURCES = _cuda_sources()
 FALLBACK_NVCC = Path("/usr/local/cuda/bin/nvcc")
 # the dtype suffix of both libraries' entry points (mgrit_conv2d_f32, mgrit_dense_step_f64, ...)
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -137,7 +150,7 @@ C = Recipe("native", (CSRC / "conv2d.c", CSRC / "dense.c"), c_compiler,
            (("-O3", "-march=native", "-DMGRIT_LIBMVEC", "-Wl,-z,defs", "-Wl,--no-as-needed",
              "-lmvec"), ("-O3", "-march=native"), ("-O3",)), ("-shared", "-fPIC"), ("-lm",),
            cpu)
-CUDA = Recipe("cuda", (CSRC / "residual_dense.cu",), nvcc, (("-O3", "-arch=native"), ("-O3",)),
+CUDA = Recipe("cuda", (CUDA_SOURCES / "residual_dense.cu",), nvcc, (("-O3", "-arch=native"), ("-O3",)),
               ("-shared", "-Xcompiler", "-fPIC"), (), gpus)
 RECIPES = {"c": C, "cuda": CUDA}
 

@@ -7,9 +7,9 @@ interval i with its own layer W[i] (d, d) and b[i] (d) and states u[i] (S, d):
     dense_step_vjp:  g[i] + dt * ((1 - y[i]^2) * g[i]) W[i],  y[i] = tanh(u[i] W[i]^T + b[i])
 
 the forward step of a `Linear -> Tanh` ResNet layer and its adjoint step. The kernels
-(csrc/residual_dense.cu) take CUDA tensors and run on the current stream; the library is
-compiled with nvcc on first use by `mgrit.kernels.build`, into the same cache as the C
-kernels and keyed the same way. The `_reference` twins are plain torch
+(`cuda/residual_dense.cu`, beside the package) take CUDA tensors and run on the current
+stream; the library is compiled with nvcc on first use by `mgrit.kernels.build`, into the
+same cache as the C kernels and keyed the same way. The `_reference` twins are plain torch
 and run anywhere; tests compare the kernels against them on a GPU. This module imports on
 any machine; `available()` says whether the kernels can run.
 """
