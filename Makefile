@@ -1,5 +1,6 @@
 # make test: set up .venv (if missing) with the project, the tool's dependencies (app), an
 # MPI from PyPI (mpi) and the test tools (dev), then run every test.
+# make lint: ruff's defect rules ([tool.ruff] in pyproject.toml) over the whole tree (seconds).
 # make bench-check: speed ratios of the hot paths against recorded floors (not a test).
 # make demo: same set-up, then the main job: layer-parallel training on digits over 2 MPI
 # ranks next to serial training (accuracies and figures in out/demo), then one epoch of a
@@ -15,7 +16,7 @@ EXTRAS ?= app,mpi,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mgrit-installed
 
-.PHONY: test test-fast test-timing demo bench bench-check install clean
+.PHONY: test test-fast test-timing lint demo bench bench-check install clean
 
 install: $(STAMP)
 
@@ -30,6 +31,9 @@ $(STAMP): pyproject.toml
 # timing tests assert on wall-clock time: they belong to a quiet machine, not to make test
 test: $(STAMP)
 	MGRIT_TEST_REQUIRE_ALL=1 $(PY) -m pytest -q -m "not timing"
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not mpi and not slow and not timing"

@@ -186,8 +186,10 @@ def test_pipe_lines_not_cut():
 def test_label_tells_runs_apart():
     serial, s1, _ = make(False, label="serial")
     parallel, s2, _ = make(True, label="layer-parallel")
-    serial.update(1, {}); serial.close({})
-    parallel.update(1, {}); parallel.close({})
+    serial.update(1, {})
+    serial.close({})
+    parallel.update(1, {})
+    parallel.close({})
     assert all(line.startswith("[serial] epoch 2/10") for line in s1.getvalue().splitlines())
     assert all(f.startswith("[layer-parallel] epoch 2/10") for f in frames(s2.getvalue()))
     nolabel, s3, _ = make(False, label=None)

@@ -13,7 +13,7 @@ import torch
 from mgrit.app import launch
 from mgrit.app.loop import train_step
 from mgrit.core.config import Config
-from mgrit.nn import LayerParallel, draws
+from mgrit.nn import draws
 
 from benchmarks import training, transformers
 from benchmarks.scaling import study

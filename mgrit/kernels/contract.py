@@ -30,7 +30,7 @@ Rows = list[tuple[Tensor, Tensor, "Tensor | None"]]
 
 
 class StepStrategy(Protocol):
-    """What every strategy offers."""
+    """What every strategy offers (the two flags as class attributes)."""
 
     skips_zeros: bool
     keeps_values: bool
@@ -168,9 +168,10 @@ def check_strategy(strategy: object) -> Contract:
     name = cls.__name__
     missing = _missing(cls, StepStrategy)
     if not missing:
-        extra = KeptStrategy if strategy.keeps_values else SingleAdjoint
+        keeps = bool(getattr(strategy, "keeps_values"))
+        extra = KeptStrategy if keeps else SingleAdjoint
         missing = _missing(cls, extra)
-        what = f"{extra.__name__} (keeps_values is {bool(strategy.keeps_values)})"
+        what = f"{extra.__name__} (keeps_values is {keeps})"
     else:
         what = "StepStrategy"
     if missing:
