@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from mgrit.app.replay import Event, Interconnect, replay
 from mgrit.comm.tracing import Tracer, TracingComm
-from mgrit.kernels import dense, native, steps
+from mgrit.kernels import dense, native, strategies
 from mgrit.kernels.choice import native_backend
 
 from . import virtual
@@ -257,7 +257,7 @@ def counting() -> Iterator[dict[int, CountingTracer]]:
                (dense.NativeDense, "__init__", native_init),
                (dense.TorchProgram, "__call__",
                 _torch_program_counter(dense.TorchProgram.__call__))]
-    classes, todo = [], [steps.ChainSteps]
+    classes, todo = [], [strategies.ChainSteps]
     while todo:                 # every strategy class, subclasses of subclasses included
         classes.append(todo.pop())
         todo += classes[-1].__subclasses__()
