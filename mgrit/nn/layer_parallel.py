@@ -26,6 +26,7 @@ from .defaults import training_config
 from .ghosts import GhostExchange
 from .gradients import average_gradients, context_gradients, layer_gradients
 from .passes import Passes
+from .precision import autocast_state, reentered
 from .stack import LayerStack, build_layers
 from .module_strategy import CONTEXT
 
@@ -42,6 +43,9 @@ class _ODESolve(torch.autograd.Function):
         ctx.token = model._forward_token
         ctx.context = dict(zip(names, tensors))
         ctx.draw_step = model.layers.draw_step
+        # autograd runs the backward outside the user's autocast block: the adjoint
+        # re-enters the forward pass's state, so that its VJPs linearise the same ops
+        ctx.autocast = autocast_state(u0.device.type)
         return out
 
     @staticmethod
@@ -55,8 +59,9 @@ class _ODESolve(torch.autograd.Function):
         model.layers.draw_step = ctx.draw_step
         # dL/du0 only where the opening or the input needs it (the same on every rank,
         # as the graph before the solve is): else its broadcast, a collective, is skipped
-        grad_u0, context_grads, grads = model._solve_backward(grad_out,
-                                                              ctx.needs_input_grad[2])
+        with reentered(ctx.autocast):
+            grad_u0, context_grads, grads = model._solve_backward(grad_out,
+                                                                  ctx.needs_input_grad[2])
         if model.data_comm is not None:
             torch.autograd.Variable._execution_engine.queue_callback(model._average_gradients)
         return (None, None, grad_u0, *[context_grads.get(name) for name in ctx.context],

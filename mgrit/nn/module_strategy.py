@@ -15,6 +15,7 @@ from ..kernels.choice import native_backend
 from ..kernels.contract import Kept, StepStrategy, Tensors, check_strategy
 from ..kernels.strategies import chain_steps
 from . import randomness as draws
+from .precision import autocasting
 from .stack import LayerStack
 
 
@@ -170,18 +171,24 @@ def _seeded(stack: LayerStack):
 class StepSelection:
     """The strategy of one propagator's states (shape, dtype and device fixed by its
     solver), chosen again only when whether native kernels may run changes
-    (`mgrit.kernels.choice.native_backend`, read once per solve)."""
+    (`mgrit.kernels.choice.native_backend`, read once per solve) or autocast is switched on
+    or off. Under autocast, and where the states' dtype is not the parameters' (a forward
+    pass that autocast began, its adjoint), torch's own ops compute (`ModuleSteps`): the
+    hand-written kernels compute in one dtype and know nothing of autocast's casts."""
 
     def __init__(self, stack: LayerStack, like: Tensor) -> None:
         self.stack = stack
         self._state = (like.shape, like.dtype, like.device)
         self._chosen: dict[tuple[bool, bool], StepStrategy] = {}
+        self._mixed = any(t.is_floating_point() and t.dtype != like.dtype
+                          for t in stack.tensors().values())
 
     def current(self) -> StepStrategy:
         """The strategy of this solve, checked against its contract when first chosen."""
         native = native_backend() != "torch"
         # context inputs go to the module's own forward: only the general path takes them
-        key = (native, bool(self.stack.context))
+        key = (native, bool(self.stack.context) or autocasting(self._state[2])
+               or self._mixed)
         steps = self._chosen.get(key)
         if steps is None:
             chain = self.stack.chain
