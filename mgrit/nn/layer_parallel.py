@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..comm import Comm, as_comm
 from ..core.config import Config
 from ..core.grid import LevelGrid, build_hierarchy, layer_ranges, level0_blocks
-from . import checkpoint
+from . import checkpoint, clipping
 from .defaults import training_config
 from .ghosts import GhostExchange
 from .gradients import average_gradients, context_gradients, layer_gradients
@@ -343,6 +343,23 @@ class LayerParallel(nn.Module):
     def _average_gradients(self) -> None:
         """Mean of the gradients over data-parallel replicas (after each backward pass)."""
         average_gradients(self.parameters(), self.data_comm)
+
+    # gradient clipping ---------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole network: the norm of every
+        layer's gradient on every rank and of the opening's and closing's (counted once),
+        after data-parallel averaging; every rank scales by the same factor and gets the
+        same norm back. Collective: every rank of the model calls it."""
+        mine = set(map(id, self.layers.parameters()))
+        return clipping.clip_grad_norm_(list(self.layers.parameters()),
+                                        [p for p in self.parameters() if id(p) not in mine],
+                                        self.comm, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """`torch.nn.utils.clip_grad_value_` of this rank's parameters: clamping is element
+        by element, so the rank's own share is the whole network's share (no collective)."""
+        torch.nn.utils.clip_grad_value_(self.parameters(), clip_value)
 
     # export and checkpoints -----------------------------------------------------------
     def to_serial(self) -> nn.Sequential | None:
