@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -39,10 +40,15 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     template = None
     kept: dict[int, nn.Module] = {}
     signature = None
+    # the parameters of the layers so far, by id, held weakly: an id found again (and still
+    # the same live object) is a parameter shared between layers
+    seen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    owner: dict[int, tuple[int, str]] = {}
     for n in range(num_steps):
         layer = factory()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"the step factory must return an nn.Module, got {type(layer).__name__}")
+        _refuse_shared(layer, n, seen, owner)
         draws.replace_dropout(layer)
         for sub in layer.modules():
             if isinstance(sub, _NORM_WITH_STATS) and sub.track_running_stats:
@@ -65,6 +71,27 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     if template is None:
         raise ValueError("num_steps must be >= 1")
     return template, kept
+
+
+def _refuse_shared(layer: nn.Module, n: int, seen: weakref.WeakValueDictionary,
+                   owner: dict[int, tuple[int, str]]) -> None:
+    """A ValueError where layer n holds a parameter of an earlier layer (tied weights)."""
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        if seen.get(id(p)) is p and owner[id(p)][0] != n:
+            first, first_name = owner[id(p)]
+            whole = all(seen.get(id(q)) is q for q in layer.parameters())
+            what = ("returned the same module (or one with the same parameters) for layers "
+                    f"{first} and {n}" if whole else
+                    f"gave layer {n} the parameter {name!r} of layer {first} "
+                    f"({first_name!r} there)")
+            raise ValueError(
+                f"the step factory {what}: weights tied across layers are not supported. "
+                "LayerParallel keeps each layer's weights on the rank that owns it and would "
+                "train every layer's copy apart (serial_resnet with the same factory ties "
+                "them). Return a new module with its own parameters from each call (e.g. "
+                "`lambda: copy.deepcopy(block)`: untied layers that start equal)")
+        seen[id(p)] = p
+        owner[id(p)] = (n, name)
 
 
 class LayerStack(nn.Module):
@@ -106,7 +133,11 @@ class LayerStack(nn.Module):
         self._detached_key: tuple[int, ...] = ()
         # the hand-written kernels' view of the step module, None where it is not a chain
         # of ops they cover (then torch.func computes)
-        self.chain = Chain.of(template)
+        # where a parameter appears twice in the module (one Linear applied twice), the
+        # kernels, which name each op's weights by the op's place, cannot see the tie
+        tied_inside = (len(list(template.named_parameters(remove_duplicate=False)))
+                       != len(self.names))
+        self.chain = None if tied_inside else Chain.of(template)
         # a step module that advances a batch of layers itself (`forward_batched`, e.g.
         # `mgrit.nn.TransformerBlock`): no vmap, no per-sample fallbacks
         self.batched = callable(getattr(template, "forward_batched", None))
