@@ -60,3 +60,31 @@ def test_tied_factories_are_refused_on_every_rank(mpi, nprocs):
     assert run.returncode == 0, run.stderr
     for rank, rep in run.by_rank().items():
         assert "weights tied across layers are not supported" in rep["error"], (rank, rep)
+
+
+def test_a_frozen_parameter_shared_by_every_layer_is_accepted():
+    """A shared parameter that is never trained stays equal in every layer's copy: the
+    network is the serial one (outputs and the trainable layers' gradients)."""
+    scale = nn.Parameter(torch.full((8,), 0.5), requires_grad=False)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.scale = scale
+
+        def forward(self, u):
+            return torch.tanh(self.lin(u)) * self.scale
+
+    torch.manual_seed(4)
+    model = mgrit.LayerParallel(Scaled, 5, forward=EXACT, backward=EXACT).double()
+    torch.manual_seed(4)
+    serial = mgrit.serial_resnet(Scaled, 5).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out, ref = model(x), serial(x)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    ref.sum().backward()
+    grad = model.layers.params["lin__weight"].grad
+    for n in range(5):
+        assert torch.allclose(grad[n], serial[n + 1].f.lin.weight.grad, rtol=1e-10, atol=1e-12)

@@ -75,11 +75,15 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
 
 def _refuse_shared(layer: nn.Module, n: int, seen: weakref.WeakValueDictionary,
                    owner: dict[int, tuple[int, str]]) -> None:
-    """A ValueError where layer n holds a parameter of an earlier layer (tied weights)."""
+    """A ValueError where layer n holds a trainable parameter of an earlier layer (tied
+    weights). A frozen one (requires_grad=False) is never updated, so per-layer copies of
+    it stay equal: allowed."""
     for name, p in layer.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
         if seen.get(id(p)) is p and owner[id(p)][0] != n:
             first, first_name = owner[id(p)]
-            whole = all(seen.get(id(q)) is q for q in layer.parameters())
+            whole = all(seen.get(id(q)) is q for q in layer.parameters() if q.requires_grad)
             what = ("returned the same module (or one with the same parameters) for layers "
                     f"{first} and {n}" if whole else
                     f"gave layer {n} the parameter {name!r} of layer {first} "
