@@ -41,7 +41,8 @@ def global_grad_norm(layer_params: list[nn.Parameter], replicated: list[nn.Param
     if math.isinf(norm_type):
         # the maximum over ranks, by a sum of one slot per rank (the comm sums only)
         slots = torch.zeros(comm.size, dtype=torch.float64)
-        mine = [torch.linalg.vector_norm(g, math.inf).double().cpu() for g in layers + shared]
+        mine = [torch.linalg.vector_norm(g, math.inf, dtype=torch.float64).cpu()
+                for g in layers + shared]
         slots[comm.rank] = torch.stack(mine).max() if mine else 0.0
         comm.allreduce_sum_(slots)
         return float(slots.max())
@@ -49,7 +50,7 @@ def global_grad_norm(layer_params: list[nn.Parameter], replicated: list[nn.Param
     # rounding of the gradients' own dtype
     total = torch.zeros(1, dtype=torch.float64)
     for g in layers + shared:
-        total += torch.linalg.vector_norm(g.double(), norm_type).cpu() ** norm_type
+        total += torch.linalg.vector_norm(g, norm_type, dtype=torch.float64).cpu() ** norm_type
     comm.allreduce_sum_(total)
     return float(total[0]) ** (1.0 / norm_type)
 
