@@ -14,15 +14,20 @@ BF16_UNIT = 2.0 ** -8      # bfloat16's unit round-off (8 significant bits)
 
 def _pass(net, x, y, autocast: bool, dtype=torch.bfloat16):
     net.zero_grad()
-    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
         out = net(x)
         loss = torch.nn.functional.cross_entropy(out.float(), y)
     loss.backward()
     return out.detach().float()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["dense", "conv", "gelu"])
-def test_autocast_forward_and_gradients_equal_serial_autocast(kind):
+def test_autocast_forward_and_gradients_equal_serial_autocast(kind, device):
     """float32 parameters under autocast to bfloat16, exact solves: output and every
     parameter gradient as the serial network's under the same autocast. The layer-parallel
     adjoint evaluates the same bf16 ops with other batch shapes (its reductions round
@@ -30,9 +35,9 @@ def test_autocast_forward_and_gradients_equal_serial_autocast(kind):
     be clearly closer to serial autocast's than serial autocast is to serial float32 (the
     adjoint ran under autocast, not in float32)."""
     model, serial = build(kind, 8, EXACT, EXACT)
-    model.float(), serial.float()
+    model.to(device, torch.float32), serial.to(device, torch.float32)
     x, y = data(kind, 4)
-    x = x.float()
+    x, y = x.to(device, torch.float32), y.to(device)
     out = _pass(model, x, y, True)
     ref = _pass(serial, x, y, True)
     assert out.dtype == ref.dtype
