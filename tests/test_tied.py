@@ -1,6 +1,6 @@
-"""Step factories whose layers share parameters (tied weights) are refused at construction,
-on every rank, before any work: LayerParallel would otherwise train each layer's copy apart
-where the serial network ties them."""
+"""Step factories whose layers share parameters: one module for every layer (weights tied
+across depth) trains as the tied serial network; layers sharing only some parameters are
+refused at construction, on every rank, before any communication."""
 
 import pytest
 import torch
@@ -11,11 +11,23 @@ import mgrit
 EXACT = mgrit.Config(levels=1)
 
 
-def test_a_factory_returning_one_module_is_refused():
-    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    with pytest.raises(ValueError, match=r"returned the same module .* for layers 0 and 1: "
-                                         r"weights tied across layers are not supported"):
-        mgrit.LayerParallel(lambda: block, 6, forward=EXACT, backward=EXACT)
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_tied_weights_train_as_the_tied_serial_network(mpi, nprocs):
+    """A factory returning one module for every layer (levels=1, float64): the optimizer
+    sees the serial network's parameters, one set; their gradients (summed over every
+    layer on every rank), the global norm, the parameters after three SGD steps and the
+    outputs equal the tied serial network's to round-off, and the tied parameters are
+    bitwise equal on every rank."""
+    run = mpi("tied.py", nprocs, "train", timeout=300)
+    assert run.returncode == 0, run.stderr
+    for rank, r in run.by_rank().items():
+        assert r["trained"] == r["serial"] == 8 and r["same"], (rank, r)
+        assert max(r["grad_errors"]) <= 1e-12, (rank, r)
+        for lp, ref in r["norms"]:
+            assert lp == pytest.approx(ref, rel=1e-12), (rank, r)
+        assert r["params"] <= 1e-12 and r["output"] <= 1e-12, (rank, r)
+        assert r["spread"] == 0.0, (rank, r)
 
 
 def test_layers_sharing_some_parameters_are_refused_naming_the_parameter():
@@ -29,6 +41,18 @@ def test_layers_sharing_some_parameters_are_refused_naming_the_parameter():
         return nn.Sequential(first, nn.Tanh(), nn.Linear(8, 8))
 
     with pytest.raises(ValueError, match=r"gave layer 4 the parameter '0.weight' of layer 3"):
+        mgrit.LayerParallel(factory, 6, forward=EXACT, backward=EXACT)
+
+
+def test_a_tie_that_stops_part_way_is_refused():
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return block if len(calls) <= 3 else nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    with pytest.raises(ValueError, match=r"tied layers 0..2 to one module but not layer 3"):
         mgrit.LayerParallel(factory, 6, forward=EXACT, backward=EXACT)
 
 
@@ -55,11 +79,11 @@ def test_a_parameter_used_twice_inside_one_layer_is_accepted():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_tied_factories_are_refused_on_every_rank(mpi, nprocs):
-    run = mpi("tied.py", nprocs, timeout=120)
+def test_partial_sharing_is_refused_on_every_rank(mpi, nprocs):
+    run = mpi("tied.py", nprocs, "partial", timeout=120)
     assert run.returncode == 0, run.stderr
     for rank, rep in run.by_rank().items():
-        assert "weights tied across layers are not supported" in rep["error"], (rank, rep)
+        assert "gave layer 1 the parameter '0.weight' of layer 0" in rep["error"], (rank, rep)
 
 
 def test_a_frozen_parameter_shared_by_every_layer_is_accepted():
@@ -88,3 +112,34 @@ def test_a_frozen_parameter_shared_by_every_layer_is_accepted():
     grad = model.layers.params["lin__weight"].grad
     for n in range(5):
         assert torch.allclose(grad[n], serial[n + 1].f.lin.weight.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_tied_checkpoints_and_exports_hold_the_updated_weights(tmp_path):
+    """Saved and exported after an optimizer step (no forward pass since): the checkpoint's
+    serial state, the exported network and a reloaded model all hold the updated tied
+    weights, not those of the last forward pass."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model = mgrit.LayerParallel(lambda: block, 6, forward=EXACT, backward=EXACT).double()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    weight = block[0].weight.detach().clone()
+    model.save_checkpoint(tmp_path / "ck", opt)
+    state = mgrit.nn.serial_state_dict(tmp_path / "ck")
+    for n in range(6):
+        assert torch.equal(state[f"{n + 1}.f.0.weight"], weight)
+    plain = model.to_serial()
+    torch.manual_seed(9)
+    other = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    again = mgrit.LayerParallel(lambda: other, 6, forward=EXACT, backward=EXACT).double()
+    again.load_checkpoint(tmp_path / "ck")
+    assert torch.equal(other[0].weight.detach(), weight)
+    model.eval(), again.eval()
+    with torch.no_grad():
+        ref = plain(x)
+        assert torch.allclose(model(x), ref, rtol=1e-12, atol=1e-12)
+        assert torch.equal(again(x), model(x))

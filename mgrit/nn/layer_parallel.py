@@ -29,6 +29,7 @@ from .passes import Passes
 from .precision import autocast_state, reentered
 from .stack import LayerStack, build_layers
 from .module_strategy import CONTEXT
+from .tied import TiedWeights
 
 
 class _ODESolve(torch.autograd.Function):
@@ -75,7 +76,8 @@ class LayerParallel(nn.Module):
 
     step:      zero-argument factory of the residual function f (an nn.Module mapping a
                state to a state of the same shape); called num_steps times in layer order on
-               every rank, each rank keeping its own layers.
+               every rank, each rank keeping its own layers; one module returned every
+               time ties the layers' weights (trained as one, `mgrit.nn.tied`).
     forward, backward: solver options of the two passes (default: 3 levels, coarsening 4,
                F-relaxation on the fine level and FCF below, 2 forward cycles, 1 backward
                cycle). `initial_guess="warm"` starts each solve from the previous step's.
@@ -134,8 +136,11 @@ class LayerParallel(nn.Module):
         blocks = level0_blocks(grids["forward"], self.comm.size)
         lo, hi = layer_ranges(blocks, num_steps)[self.comm.rank]
         self.layer_range = (lo, hi)
-        template, kept = build_layers(step, num_steps, range(lo, hi + 1))
+        template, kept, tied = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
+        # weights tied across depth: the one module is what trains (`mgrit.nn.tied`)
+        self.tied_step = tied
+        self._tied = TiedWeights(tied, self.layers, self.comm) if tied is not None else None
         self.set_draw_seed(self._agreed_seed(seed))
         self.draw_step = 0      # training forward passes so far: the next one's draws
         self.opening = opening if opening is not None else nn.Identity()
@@ -318,6 +323,8 @@ class LayerParallel(nn.Module):
                 for name, g in context_grads.items():
                     g.copy_(flat[offset: offset + g.numel()].view_as(g))
                     offset += g.numel()
+        if self._tied is not None:
+            return res.final, context_grads, self._tied.gradients(grads)
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]
@@ -330,7 +337,9 @@ class LayerParallel(nn.Module):
             raise TypeError(f"the opening must return a tensor, got {type(u0).__name__}")
         self.layers.context = context
         self._check_state(u0, context)
-        params = list(self.layers.params.values())
+        self._fill_tied_rows()
+        params = (self._tied.parameters() if self._tied is not None
+                  else list(self.layers.params.values()))
         names = tuple(context)
         values = tuple(context.values())
         if torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in params)
@@ -339,6 +348,11 @@ class LayerParallel(nn.Module):
         else:
             u_final = self._solve_forward(u0, keep=False)
         return self.closing(u_final)
+
+    def _fill_tied_rows(self) -> None:
+        """Tied weights: the rows := the module the optimizer updates (`mgrit.nn.tied`)."""
+        if self._tied is not None:
+            self._tied.fill_rows()
 
     def _average_gradients(self) -> None:
         """Mean of the gradients over data-parallel replicas (after each backward pass)."""
@@ -357,14 +371,14 @@ class LayerParallel(nn.Module):
                                         self.comm, max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """`torch.nn.utils.clip_grad_value_` of this rank's parameters: clamping is element
-        by element, so the rank's own share is the whole network's share (no collective)."""
+        """torch's `clip_grad_value_` on this rank: element-wise, so no collective needed."""
         torch.nn.utils.clip_grad_value_(self.parameters(), clip_value)
 
     # export and checkpoints -----------------------------------------------------------
     def to_serial(self) -> nn.Sequential | None:
         """The equivalent plain network (opening, ResidualStep layers, closing) on rank 0,
         None on the other ranks. Runs without MPI and gives the same outputs."""
+        self._fill_tied_rows()
         return checkpoint.to_serial(self)
 
     def checkpoint_path(self, directory: str | os.PathLike) -> Path:
@@ -376,6 +390,7 @@ class LayerParallel(nn.Module):
         to `directory` (one file per rank, written then renamed: never half a file). Any
         number of layer-parallel ranks can load it (`load_checkpoint`), and
         `mgrit.nn.serial_state_dict(directory)` reads it as a plain serial network's."""
+        self._fill_tied_rows()
         return checkpoint.save(self, self._passes, directory, optimizer, extra)
 
     def load_checkpoint(self, directory: str | os.PathLike,

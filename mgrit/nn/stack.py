@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -19,6 +18,7 @@ from torch.func import functional_call
 
 from ..kernels.chain import Chain
 from . import randomness as draws
+from .tied import Sharing
 
 _NORM_WITH_STATS = (nn.modules.batchnorm._NormBase,)
 
@@ -28,27 +28,26 @@ def _sanitize(name: str) -> str:
 
 
 def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
-                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+                 ) -> tuple[nn.Module, dict[int, nn.Module], nn.Module | None]:
     """Call the factory once per layer, in layer order, keeping the layers in `keep`.
 
     Every rank draws the same random numbers in the same order as a serial
     `[factory() for _ in range(N)]`, so layer n starts from the same values whichever
-    rank owns it. Returns a template (layer 0) and the kept layers; checks that all
-    layers have the same parameters and no running statistics. Every nn.Dropout inside
+    rank owns it. Returns a template (layer 0), the kept layers and, where the factory
+    returned one module for every layer (weights tied across depth, `mgrit.nn.tied`), that
+    module; checks that all layers have the same parameters, shared by all layers or by
+    none, and no running statistics. Every nn.Dropout inside
     becomes `mgrit.nn.Dropout` (keyed draws, see `mgrit.nn.draws`).
     """
     template = None
     kept: dict[int, nn.Module] = {}
     signature = None
-    # the parameters of the layers so far, by id, held weakly: an id found again (and still
-    # the same live object) is a parameter shared between layers
-    seen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-    owner: dict[int, tuple[int, str]] = {}
+    sharing = Sharing()
     for n in range(num_steps):
         layer = factory()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"the step factory must return an nn.Module, got {type(layer).__name__}")
-        _refuse_shared(layer, n, seen, owner)
+        sharing.check(layer, n)
         draws.replace_dropout(layer)
         for sub in layer.modules():
             if isinstance(sub, _NORM_WITH_STATS) and sub.track_running_stats:
@@ -70,32 +69,7 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
             kept[n] = layer
     if template is None:
         raise ValueError("num_steps must be >= 1")
-    return template, kept
-
-
-def _refuse_shared(layer: nn.Module, n: int, seen: weakref.WeakValueDictionary,
-                   owner: dict[int, tuple[int, str]]) -> None:
-    """A ValueError where layer n holds a trainable parameter of an earlier layer (tied
-    weights). A frozen one (requires_grad=False) is never updated, so per-layer copies of
-    it stay equal: allowed."""
-    for name, p in layer.named_parameters(remove_duplicate=False):
-        if not p.requires_grad:
-            continue
-        if seen.get(id(p)) is p and owner[id(p)][0] != n:
-            first, first_name = owner[id(p)]
-            whole = all(seen.get(id(q)) is q for q in layer.parameters() if q.requires_grad)
-            what = ("returned the same module (or one with the same parameters) for layers "
-                    f"{first} and {n}" if whole else
-                    f"gave layer {n} the parameter {name!r} of layer {first} "
-                    f"({first_name!r} there)")
-            raise ValueError(
-                f"the step factory {what}: weights tied across layers are not supported. "
-                "LayerParallel keeps each layer's weights on the rank that owns it and would "
-                "train every layer's copy apart (serial_resnet with the same factory ties "
-                "them). Return a new module with its own parameters from each call (e.g. "
-                "`lambda: copy.deepcopy(block)`: untied layers that start equal)")
-        seen[id(p)] = p
-        owner[id(p)] = (n, name)
+    return template, kept, sharing.tied
 
 
 class LayerStack(nn.Module):
