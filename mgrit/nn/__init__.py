@@ -6,7 +6,9 @@ adjoint propagators (`propagators`, computing through a step strategy chosen by
 `module_strategy`), their solvers (`passes`), the copies of other ranks' layers (`ghosts`), parameter gradients
 (`gradients`) and checkpoints and export (`checkpoint`); `serial_resnet` is the plain
 network it computes, `blocks` builds both from one description, `defaults` holds
-training's solver settings; `randomness` defines the keyed random draws of stochastic layers
+training's solver settings; `clipping` clips gradients by the whole network's norm,
+`precision` carries autocast into the adjoint, `tied` trains weights tied across depth;
+`randomness` defines the keyed random draws of stochastic layers
 and `transformer` the batched transformer block; `controller` measures how far the inexact
 gradients are from exact ones and changes the solvers between steps to keep them close."""
 
