@@ -17,11 +17,13 @@ from torch import Tensor, nn
 
 from ..nn import Controller, LayerParallel, draws, serial_resnet
 from ..nn.blocks import ResNetSpec, conv_step, dense_step, gpt, vit
+from ..nn.atomic import WriteError, write_atomically
 from ..nn.checkpoint import FailedElsewhere
 from . import data as datasets
 from .data import batches
 from .loop import correct, evaluate, sequence_cross_entropy, train_step
 from .progress import Progress
+from .resuming import data_parallel_refusal, not_written, remove_leftovers, resume_notice
 from .settings import TRANSFORMERS, Settings, SettingsError, check
 
 log = logging.getLogger("mgrit.train")
@@ -126,8 +128,7 @@ class Run:
             raise SettingsError("[training] serial = true trains in one process; launch it "
                                 "without mpiexec (or with -n 1)")
         if self.size % t.data_parallel:
-            raise SettingsError(f"[training] data_parallel = {t.data_parallel} must divide the "
-                                f"{self.size} ranks")
+            raise SettingsError(data_parallel_refusal(t.data_parallel, self.size, resume))
         if t.batch_size % t.data_parallel:
             raise SettingsError(f"[training] batch_size = {t.batch_size} must be a multiple of "
                                 f"data_parallel = {t.data_parallel}")
@@ -242,17 +243,17 @@ class Run:
             finally:
                 if not existed and self.out.exists() and not any(self.out.iterdir()):
                     self.out.rmdir()
-            if resume:
-                if not (self.out / "latest").exists():
-                    raise SettingsError(f"--resume: no checkpoint in {self.out} (no 'latest' "
-                                        "file)")
-                return
-            refuse_used(self.out, overwrite)
-            for path in self._results():      # --overwrite: the other run's results only
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
+            if resume and not (self.out / "latest").exists():
+                raise SettingsError(f"--resume: no checkpoint in {self.out} (no 'latest' file)")
+            if not resume:
+                refuse_used(self.out, overwrite)
+                for path in self._results():      # --overwrite: the other run's results only
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+            # before a resume rewrites metrics.jsonl, which may need the room they take
+            remove_leftovers(self.out)
         self._collective(check)
 
     def _checkpoint_dir(self) -> Path:
@@ -324,6 +325,8 @@ class Run:
         if self.controller is not None and "control" in extra:
             self.controller.load_state_dict(extra["control"])
         self.start_epoch = extra["epoch"] + 1
+        if self.rank == 0:
+            sys.stdout.write(resume_notice(folder, extra["epoch"], t.epochs))
         self._collective(lambda: self._truncate_metrics(extra["epoch"]))
 
     def _intact_hint(self, bad: str) -> str:
@@ -355,9 +358,7 @@ class Run:
                                     f"({err}); the file is corrupt") from None
             if record.get("epoch", 0) <= epoch:
                 kept.append(line)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: f.write("".join(s + "\n" for s in kept).encode()))
 
     def _save_checkpoint(self, epoch: int) -> None:
         """All ranks write into a temporary folder; once all are done rank 0 renames it and
@@ -368,13 +369,16 @@ class Run:
                  "draw_step": self._get_draw_step()}
         if self.controller is not None:
             extra["control"] = self.controller.state_dict()
-        if isinstance(self.model, LayerParallel):
-            self.model.save_checkpoint(tmp, self.optimizer, **extra)
-        else:
-            tmp.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "extra": extra},
-                       tmp / "serial.pt")
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "extra": extra}
+        try:
+            if isinstance(self.model, LayerParallel):
+                self.model.save_checkpoint(tmp, self.optimizer, **extra)
+            else:
+                tmp.mkdir(parents=True, exist_ok=True)
+                write_atomically(tmp / "serial.pt", lambda f: torch.save(state, f))
+        except WriteError as err:   # the earlier checkpoint stays `latest`
+            raise not_written(self.out, tmp, epoch, err, self.size == 1) from None
         if self.world is not None:
             self.world.Barrier()
         if self.rank == 0:
@@ -440,11 +444,6 @@ class Run:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "settings.json").write_text(json.dumps(s.as_dict(), indent=2))
-            for stale in self.out.glob(".checkpoint-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            for marker in self.out.glob(".stopped-*"):   # of an interrupted earlier run
-                marker.unlink(missing_ok=True)
-            (self.out / ".trace.json.tmp").unlink(missing_ok=True)
         if self.start_epoch > t.epochs:
             if self.rank == 0:
                 sys.stderr.write(f"nothing to train: the checkpoint in {self.out} is at epoch "
@@ -582,6 +581,4 @@ class Run:
         plain = (self.model.to_serial() if isinstance(self.model, LayerParallel)
                  else self.model)
         if self.rank == 0 and plain is not None:
-            tmp = self.out / ".model.pt.tmp"
-            torch.save(plain, tmp)
-            os.replace(tmp, self.out / "model.pt")
+            write_atomically(self.out / "model.pt", lambda f: torch.save(plain, f))

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.grid import layer_ranges
+from .atomic import write_atomically
 from .ghosts import placement
 from .passes import Passes
 from .serial import ResidualNetwork, ResidualStep
@@ -78,10 +79,9 @@ def save(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
              "warm": passes.warm_states(), "extra": extra,
              # the keyed random draws continue where they were (mgrit.nn.randomness)
              "draws": {"seed": model.draw_seed, "step": model.draw_step}}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    # a failed write (a full disk) removes its temporary file and names the file and
+    # why; the rank's earlier file at `path` stays
+    return write_atomically(path, lambda stream: torch.save(state, stream))
 
 
 # reading a checkpoint folder ----------------------------------------------------------
@@ -198,9 +198,9 @@ def _choose_files(directory: Path, ranks: int | None, replicas: int | None, repl
     if replicas is not None and there != replicas:
         example = next(iter(next(iter(sets.values())).values()))
         raise CheckpointError(f"{directory} holds a checkpoint of {there} data-parallel "
-                              f"replica(s) (e.g. {example.name}) and this model has "
-                              f"{replicas}: the number of replicas must stay the same (the "
-                              "number of layer-parallel ranks may change)")
+                              f"replica(s) (e.g. {example.name}) and this model has {replicas}: "
+                              "it must stay the same (the number of layer-parallel ranks may "
+                              "change); mgrit.nn.serial_state_dict reads its weights anyway")
     data = None if None in sets else replica
     return count, sets.get(data, {}), data
 

@@ -1,0 +1,61 @@
+"""What a training run leaves behind and a resume needs: removing the leftovers of an
+interrupted or failed run before anything is rewritten, the message of a checkpoint that
+could not be written, and the refusals and notices of `--resume`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..nn.atomic import WriteError
+
+# what an interrupted run leaves: half-written checkpoint folders, the stop markers of
+# `interrupts`, the temporary files of the trace, the export and of metrics being cut back
+LEFTOVERS = (".checkpoint-*.tmp", ".stopped-*", ".trace.json.tmp", "metrics.jsonl.tmp",
+             "model.pt.tmp")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Delete the run's own temporary files in `out`. A resume does this before it
+    rewrites metrics.jsonl: on a full disk, the room they take may be what that needs."""
+    for pattern in LEFTOVERS:
+        for stale in out.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+def not_written(out: Path, folder: Path, epoch: int, err: WriteError, alone: bool
+                ) -> WriteError:
+    """The error of a checkpoint that could not be written (`err` names the file and
+    why): it says that the earlier checkpoint is kept and how to go on from it. With one
+    rank (`alone`) the half-written `folder` is removed too; with several, other ranks may
+    still be writing into it, and the next start removes it."""
+    if alone:
+        shutil.rmtree(folder, ignore_errors=True)
+    latest = out / "latest"
+    kept = (f"the earlier checkpoint {out / latest.read_text().strip()} is kept: --resume "
+            "continues from it" if latest.exists() else "no earlier checkpoint exists")
+    return WriteError(err.errno, f"the checkpoint of epoch {epoch} was not written: {err}; "
+                      f"{kept}", err.filename)
+
+
+def data_parallel_refusal(replicas: int, ranks: int, resume: bool) -> str:
+    """The error of a number of ranks that `replicas` data-parallel replicas cannot share;
+    on resume the value is the checkpoint's, which cannot change."""
+    if not resume:
+        return (f"[training] data_parallel = {replicas} must divide the {ranks} ranks")
+    return (f"--resume: the checkpoint was written with [training] data_parallel = "
+            f"{replicas}, which must divide the {ranks} ranks (a data-parallel checkpoint "
+            f"keeps its number of replicas): resume on a multiple of {replicas} ranks, or "
+            "read its weights as a plain network's with "
+            "mgrit.nn.serial_state_dict(CHECKPOINT_FOLDER)")
+
+
+def resume_notice(folder: Path, epoch: int, epochs: int) -> str:
+    """What `--resume` says it continues from."""
+    if epoch >= epochs:
+        return f"resuming from {folder} (epoch {epoch} done)\n"
+    return (f"resuming from {folder} (epoch {epoch} done): training epochs {epoch + 1} to "
+            f"{epochs}\n")
