@@ -279,7 +279,12 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise SettingsError(f"settings file {path} does not exist")
-    text = path.read_text()
+    try:
+        # an editor's byte-order mark is no error; other encodings are, naming the file
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SettingsError(f"settings file {path} is not UTF-8 text (byte {err.start}: "
+                            f"{err.reason}); save it as UTF-8") from None
     if path.suffix == ".toml":
         return _toml().loads(text)
     if path.suffix == ".json":

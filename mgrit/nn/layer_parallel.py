@@ -134,7 +134,14 @@ class LayerParallel(nn.Module):
         self.comm = as_comm(comm)
         self.data_comm = as_comm(data_comm) if data_comm is not None else None
         blocks = level0_blocks(grids["forward"], self.comm.size)
-        lo, hi = layer_ranges(blocks, num_steps)[self.comm.rank]
+        ranges = layer_ranges(blocks, num_steps)
+        if any(last < first for first, last in ranges):
+            # a rank without layers has no states for the adjoint solve to run on
+            raise ValueError(f"num_steps={num_steps} layers cannot be shared by "
+                             f"{self.comm.size} ranks: every rank needs at least one layer; "
+                             f"use at most {num_steps} rank(s) or at least "
+                             f"{self.comm.size} layers")
+        lo, hi = ranges[self.comm.rank]
         self.layer_range = (lo, hi)
         template, kept, tied = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
