@@ -26,6 +26,7 @@ from mpi4py import MPI
 from torch import nn
 
 from mgrit.app.data import topics_text
+from mgrit.core.grid import build_hierarchy
 from mgrit.nn.blocks import gpt
 from mgrit.nn.defaults import training_config
 
@@ -40,7 +41,8 @@ parser.add_argument("--window", type=int, default=32, help="characters a token a
 parser.add_argument("--batch", type=int, default=16, help="windows per batch")
 parser.add_argument("--dropout", type=float, default=0.1)
 parser.add_argument("--lr", type=float, default=1e-3)
-parser.add_argument("--levels", type=int, default=3, help="MGRIT levels (coarsening 4)")
+parser.add_argument("--levels", type=int, help="MGRIT levels (coarsening 4; default: 3, or "
+                    "as many as the blocks allow)")
 parser.add_argument("--every", type=int, default=50, help="validation loss every this many "
                     "steps (and after the last)")
 parser.add_argument("--validation", type=int, default=128, help="validation windows")
@@ -48,6 +50,25 @@ parser.add_argument("--sample", type=int, default=120, help="characters to gener
 args = parser.parse_args()
 torch.set_num_threads(1)
 comm = MPI.COMM_WORLD
+
+
+def possible_levels(blocks: int, wanted: int) -> int:
+    """How many of `wanted` levels the blocks allow: each coarser level has a quarter of
+    the steps of the one above, which must divide by 4 (8 blocks allow 2 levels)."""
+    config = training_config("forward", wanted)
+    return len(build_hierarchy(blocks, config.coarsening_list(), wanted, config.min_coarse))
+
+
+# every rank checks the same arguments, so all of them stop alike
+if args.blocks < comm.size:
+    parser.error(f"--blocks {args.blocks}: each of the {comm.size} rank(s) needs a block; "
+                 f"use at least {comm.size}")
+if args.levels is None:
+    args.levels = possible_levels(args.blocks, 3)
+elif args.levels < 1 or possible_levels(args.blocks, args.levels) < args.levels:
+    most = possible_levels(args.blocks, args.blocks)    # as many as coarsening gives
+    parser.error(f"--levels {args.levels}: {args.blocks} blocks allow 1 to {most} levels "
+                 "(each coarser level takes every 4th block of the one above)")
 
 
 def sliding_window(tokens: int, window: int) -> torch.Tensor:
