@@ -40,7 +40,9 @@ def control_curves(steps: list[dict], probes: list[dict], threshold: float | Non
     it between probes, with the threshold and the changes of setting. Bottom: forward and
     backward cycles and levels per step."""
     plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    # constrained layout makes room for what sits outside the axes: the decisions' labels
+    # above the top panel and the legends on the right
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, layout="constrained")
     estimated = [(s["step"], s["control"]["estimate"]) for s in steps
                  if s.get("control", {}).get("estimate")]
     if estimated:
@@ -50,14 +52,20 @@ def control_curves(steps: list[dict], probes: list[dict], threshold: float | Non
         top.semilogy(*zip(*measured), "o", ms=3.5, color="tab:blue", label="probe")
     if threshold is not None:
         top.axhline(threshold, ls="--", color="tab:red", lw=1, label="threshold")
+    shown = [e for _, e in estimated + measured] + ([threshold] if threshold else [])
+    if shown:
+        # the threshold and the extreme probes a little inside the frame, not on it
+        top.set_ylim(min(shown) / 1.3, max(shown) * 1.3)
     for p in probes:
         if "decision" in p:
             top.axvline(p["step"], color="tab:green", lw=0.6, alpha=0.6)
-            top.annotate(p["decision"]["to"], (p["step"], 1), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", ha="right", fontsize=6)
+            # above the panel, where they cross no curve and the layout keeps them whole
+            top.annotate(p["decision"]["to"], (p["step"], 1.02), xycoords=("data", "axes fraction"),
+                         rotation=90, va="bottom", ha="center", fontsize=7, color="tab:green",
+                         annotation_clip=False)
     top.set_ylabel("gradient relative error")
     top.grid(alpha=0.3, which="both")
-    top.legend(fontsize=7)
+    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     numbers = [s["step"] for s in steps]
     cycles = {"forward cycles": [len(s["forward_residuals"]) for s in steps],
               "backward cycles": [len(s["backward_residuals"]) for s in steps]}
@@ -74,8 +82,7 @@ def control_curves(steps: list[dict], probes: list[dict], threshold: float | Non
     bottom.set_ylabel("per step")
     bottom.yaxis.get_major_locator().set_params(integer=True)
     bottom.grid(alpha=0.3)
-    bottom.legend(fontsize=7)
-    fig.tight_layout()
+    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -85,16 +92,20 @@ def curves(runs: dict[str, list[dict]], key: str, ylabel: str, path: Path,
            percent: bool = False) -> Path:
     """One line per run: `key` of the epoch records against the epoch."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, epochs in runs.items():
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
+    # runs that agree would draw one line over another: the first is wide and solid, each
+    # later one narrower, dashed and drawn above it, so every run stays visible
+    styles = [("-", "o", 3.2), ("--", "s", 1.6), (":", "^", 1.2), ("-.", "v", 1.0)]
+    for n, (label, epochs) in enumerate(runs.items()):
+        ls, marker, lw = styles[n % len(styles)]
         values = [e[key] * (100 if percent else 1) for e in epochs]
-        ax.plot([e["epoch"] for e in epochs], values, marker="o", ms=3, label=label)
+        ax.plot([e["epoch"] for e in epochs], values, ls=ls, lw=lw, marker=marker,
+                ms=7 - 1.5 * min(n, 2), mfc="none" if n else None, zorder=2 + n, label=label)
     ax.set_xlabel("epoch")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
