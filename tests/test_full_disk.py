@@ -14,6 +14,7 @@ from torch import nn
 
 from mgrit import Config
 from mgrit.app.settings import load
+from mgrit.app import train
 from mgrit.app.train import Run
 from mgrit.nn import LayerParallel, serial_state_dict
 from mgrit.nn.atomic import WriteError, write_atomically
@@ -100,16 +101,16 @@ def test_training_run_on_a_full_disk_keeps_its_checkpoint_and_resumes(tmp_path, 
     stale.mkdir()
     (stale / "rank00000-of-00001.pt.tmp").write_bytes(b"\0" * 4096)
     order = []
-    truncate = Run._truncate_metrics
+    truncate = train.truncate_metrics
 
-    def watched(self, epoch):
+    def watched(*args):
         order.append(("stale left", bool(list(out.glob(".checkpoint-*.tmp")))))
-        truncate(self, epoch)
-    monkeypatch.setattr(Run, "_truncate_metrics", watched)
+        truncate(*args)
+    monkeypatch.setattr(train, "truncate_metrics", watched)
     capsys.readouterr()
     resumed = Run(_settings(out, 2), resume=True)
     assert order == [("stale left", False)]
-    assert f"resuming from {out / 'checkpoint-0001'} (epoch 1 done)" in capsys.readouterr().out
+    assert f"resuming from {out / 'checkpoint-0001'}: epoch 1 done" in capsys.readouterr().out
     epochs = [json.loads(line)["epoch"] for line in
               (out / "metrics.jsonl").read_text().splitlines()]
     assert set(epochs) == {1}

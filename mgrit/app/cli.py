@@ -31,10 +31,11 @@ SHORTCUTS = {
     "batch_size": ("training", "batch_size"), "optimizer": ("training", "optimizer"),
     "lr": ("training", "lr"), "seed": ("training", "seed"),
     "data_parallel": ("training", "data_parallel"), "out": ("output", "dir"),
-    "trace": ("output", "trace"),
+    "trace": ("output", "trace"), "checkpoint_every": ("output", "checkpoint_every"),
 }
 TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size": int,
-         "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int}
+         "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int,
+         "checkpoint_every": int}
 
 
 def _default(section: str, key: str) -> Any:

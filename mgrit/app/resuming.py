@@ -4,10 +4,13 @@ could not be written, and the refusals and notices of `--resume`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
-from ..nn.atomic import WriteError
+from ..nn.atomic import WriteError, write_atomically
+from .settings import SettingsError
 
 # what an interrupted run leaves: half-written checkpoint folders, the stop markers of
 # `interrupts`, the temporary files of the trace, the export and of metrics being cut back
@@ -53,9 +56,42 @@ def data_parallel_refusal(replicas: int, ranks: int, resume: bool) -> str:
             "mgrit.nn.serial_state_dict(CHECKPOINT_FOLDER)")
 
 
-def resume_notice(folder: Path, epoch: int, epochs: int) -> str:
+def checkpoint_name(epochs_done: int, partial: dict[str, Any] | None) -> str:
+    """checkpoint-NNNN after NNNN epochs, checkpoint-NNNN-stepKKKKKK after KKKKKK steps of
+    the next one (`--checkpoint-every`): in that order by name, as they were written."""
+    name = f"checkpoint-{epochs_done:04d}"
+    return name if partial is None else f"{name}-step{partial['step']:06d}"
+
+
+def resume_notice(folder: Path, epochs_done: int, partial: dict[str, Any] | None) -> str:
     """What `--resume` says it continues from."""
-    if epoch >= epochs:
-        return f"resuming from {folder} (epoch {epoch} done)\n"
-    return (f"resuming from {folder} (epoch {epoch} done): training epochs {epoch + 1} to "
-            f"{epochs}\n")
+    if partial is None:
+        return f"resuming from {folder}: epoch {epochs_done} done\n"
+    return (f"resuming from {folder}: epoch {epochs_done + 1} at step {partial['step']} "
+            f"(epoch {epochs_done} done)\n")
+
+
+def truncate_metrics(path: Path, epochs_done: int, last_step: int | None) -> None:
+    """Keep the metrics of what the checkpoint holds: the epochs up to `epochs_done` and,
+    of a checkpoint within the next epoch, its step and probe records up to the training
+    step numbered `last_step`. A last line cut short (the run was killed while writing it)
+    is dropped; any other unreadable line is an error naming the file and line."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise SettingsError(f"--resume: {path} line {number} is not a JSON record "
+                                f"({err}); the file is corrupt") from None
+        if record.get("epoch", 0) <= epochs_done or (
+                last_step is not None and record.get("type") in ("step", "probe")
+                and record.get("step", 0) <= last_step):
+            kept.append(line)
+    write_atomically(path, lambda f: f.write("".join(s + "\n" for s in kept).encode()))

@@ -71,6 +71,7 @@ class TrainingSettings:
 class OutputSettings:
     dir: str = "out"
     checkpoint: bool = True         # write a checkpoint after every epoch
+    checkpoint_every: int = 0       # ... and every this many training steps (0: epochs only)
     export: bool = True             # write the exported serial model at the end
     progress: bool = True           # progress bar on rank 0
     verbose: bool = False           # every rank logs its own progress
@@ -177,8 +178,8 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must be >= 1, got {value}")
     if (section, key) == ("data", "test_fraction") and not 0 < value < 1:
         raise SettingsError(f"{where} must lie in (0, 1), got {value}")
-    if (section, key) == ("output", "trace") and value < 0:
-        raise SettingsError(f"{where} must be >= 0 (training steps to trace), got {value}")
+    if (section, key) in (("output", "trace"), ("output", "checkpoint_every")) and value < 0:
+        raise SettingsError(f"{where} must be >= 0 (training steps), got {value}")
     if kind is float and not math.isfinite(value):
         raise SettingsError(f"{where} must be a finite number, got {value}")
     if (section, key) == ("training", "lr") and not value > 0:

@@ -23,7 +23,8 @@ from . import data as datasets
 from .data import batches
 from .loop import correct, evaluate, sequence_cross_entropy, train_step
 from .progress import Progress
-from .resuming import data_parallel_refusal, not_written, remove_leftovers, resume_notice
+from .resuming import (checkpoint_name, data_parallel_refusal, not_written, remove_leftovers,
+                       resume_notice, truncate_metrics)
 from .settings import TRANSFORMERS, Settings, SettingsError, check
 
 log = logging.getLogger("mgrit.train")
@@ -202,6 +203,7 @@ class Run:
                             and settings.network.dropout > 0)
         self.draw_step = 0
         self.start_epoch = 1
+        self.partial: dict[str, Any] | None = None   # where a checkpoint within an epoch was
         self.resuming = resume
         self._check_output(resume)
         if resume:
@@ -325,9 +327,13 @@ class Run:
         if self.controller is not None and "control" in extra:
             self.controller.load_state_dict(extra["control"])
         self.start_epoch = extra["epoch"] + 1
+        self.partial = extra.get("partial")
         if self.rank == 0:
-            sys.stdout.write(resume_notice(folder, extra["epoch"], t.epochs))
-        self._collective(lambda: self._truncate_metrics(extra["epoch"]))
+            sys.stdout.write(resume_notice(folder, extra["epoch"], self.partial))
+        last = (extra["epoch"] * self.steps_per_epoch + self.partial["step"]
+                if self.partial is not None else None)
+        self._collective(lambda: truncate_metrics(self.out / "metrics.jsonl", extra["epoch"],
+                                                  last))
 
     def _intact_hint(self, bad: str) -> str:
         earlier = sorted(p.name for p in self.out.glob("checkpoint-*") if p.name < bad)
@@ -337,36 +343,16 @@ class Run:
                 f"it, write its name into {self.out / 'latest'} (echo {earlier[-1]} > "
                 f"{self.out / 'latest'}) and resume again")
 
-    def _truncate_metrics(self, epoch: int) -> None:
-        """Keep the metrics of epochs up to the checkpoint's. A last line cut short (the
-        run was killed while writing it) is dropped; any other unreadable line is an
-        error naming the file and line."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines()
-        kept = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                if number == len(lines):
-                    break
-                raise SettingsError(f"--resume: {path} line {number} is not a JSON record "
-                                    f"({err}); the file is corrupt") from None
-            if record.get("epoch", 0) <= epoch:
-                kept.append(line)
-        write_atomically(path, lambda f: f.write("".join(s + "\n" for s in kept).encode()))
-
-    def _save_checkpoint(self, epoch: int) -> None:
+    def _save_checkpoint(self, epoch: int, partial: dict[str, Any] | None = None,
+                         generator: Tensor | None = None) -> None:
         """All ranks write into a temporary folder; once all are done rank 0 renames it and
-        points `latest` at it, so an interrupted run always leaves a complete checkpoint."""
-        name = f"checkpoint-{epoch:04d}"
+        points `latest` at it, so an interrupted run always leaves a complete checkpoint.
+        `epoch` epochs are done, and with `partial` its steps of the next one, which a
+        resume repeats from the data order of `generator` (its state at that epoch's start)."""
+        name = checkpoint_name(epoch, partial)
         tmp = self.out / f".{name}.tmp"
-        extra = {"epoch": epoch, "generator": self.generator.get_state(),
-                 "draw_step": self._get_draw_step()}
+        extra = {"epoch": epoch, "generator": generator if partial else self.generator.get_state(),
+                 "draw_step": self._get_draw_step(), "partial": partial}
         if self.controller is not None:
             extra["control"] = self.controller.state_dict()
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -469,24 +455,30 @@ class Run:
 
     def _epoch(self, epoch: int, steps: int, metrics: Any) -> dict[str, Any]:
         s, t = self.settings, self.settings.training
+        # resumed within this epoch: the same data order, its first steps skipped
+        begun, self.partial = self.partial or {"step": 0}, None
+        epoch_start, every = self.generator.get_state(), s.output.checkpoint_every
         progress = Progress(self.rank == 0 and s.output.progress, epoch, t.epochs, steps,
                             label=s.output.label or None)
         self.model.train()
         start = time.perf_counter()
-        losses, right, seen = [], 0, 0
-        gradient_error = None       # measured by the epoch's latest probe
+        losses, right, seen = begun.get("losses", []), begun.get("right", 0), begun.get("seen", 0)
+        gradient_error = begun.get("gradient_error")    # measured by the latest probe
         for step, (xb, yb) in enumerate(batches(self.split.x_train, self.split.y_train,
                                                 t.batch_size, self.generator), 1):
             if step > steps:            # [training] steps_per_epoch
                 break
+            if step <= begun["step"]:
+                continue
             xb, yb = self._batch_part(xb, yb)
-            tracing = self._trace_step(epoch, step)
-            mark = (lambda: self.tracer.mark(f"forward{step - 1}")) if tracing else None
+            ran = step - begun["step"]      # steps of this epoch this process ran (traced)
+            tracing = self._trace_step(epoch, ran)
+            mark = (lambda: self.tracer.mark(f"forward{ran - 1}")) if tracing else None
             t0 = time.perf_counter()
             loss, out = self._train_step(xb, yb, mark)
             seconds = time.perf_counter() - t0
             if tracing:
-                self._traced(step - 1, seconds)
+                self._traced(ran - 1, seconds)
             value = self._mean(float(loss))
             right += correct(out, yb)
             seen += yb.numel()
@@ -522,6 +514,12 @@ class Run:
                                             else control["estimate"])
             fields["ms_per_step"] = seconds * 1e3
             progress.update(step, fields)
+            if s.output.checkpoint and every and step % every == 0 and step < steps:
+                if metrics is not None:
+                    metrics.flush()      # a resume keeps the records up to this step
+                self._save_checkpoint(epoch - 1, {"step": step, "losses": losses, "right": right,
+                                                  "seen": seen, "gradient_error": gradient_error},
+                                      epoch_start)
             if s.output.verbose:
                 log.info("rank %d epoch %d step %d loss %.4f", self.rank, epoch, step, value)
         train_seconds = time.perf_counter() - start
@@ -550,7 +548,7 @@ class Run:
         progress.close(closing)
         return record
 
-    # tracing (output.trace = K: steps 2..K+1 of the first epoch) -------------------------
+    # tracing (output.trace = K: steps 2..K+1 of the first epoch this process runs) -------
     def _trace_step(self, epoch: int, step: int) -> bool:
         """Whether this step is traced; the tracer starts at the first traced step."""
         k = self.settings.output.trace

@@ -1,0 +1,43 @@
+"""`--checkpoint-every STEPS`: checkpoints within an epoch, from which a resume continues
+exactly as the uninterrupted run (the same data order, metrics and final weights)."""
+
+import pytest
+import torch
+
+from runs import mgrit, records
+
+TINY = ["--steps", "8", "--width", "8", "--no-progress",
+        "--set", "forward.levels=2", "--set", "backward.levels=2",
+        "--set", "forward.relax=\"F\"", "--set", "backward.relax=\"F\"",
+        "--set", "forward.initial_guess=\"warm\"", "--set", "backward.initial_guess=\"warm\"",
+        "--set", "training.steps_per_epoch=8"]
+
+
+def _without_times(folder):
+    return [{k: v for k, v in r.items() if k not in ("seconds", "seconds_per_step")}
+            for r in records(folder)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    mgrit("train", *TINY, "--epochs", "2", "--out", str(whole), ranks=ranks)
+    mgrit("train", *TINY, "--epochs", "2", "--checkpoint-every", "3", "--out", str(split),
+          ranks=ranks)
+    # the two latest are kept: 6 steps into epoch 2, and the end of epoch 2
+    assert sorted(p.name for p in split.glob("checkpoint-*")) == [
+        "checkpoint-0001-step000006", "checkpoint-0002"]
+    assert _without_times(split) == _without_times(whole)
+    # as if the run had been stopped after step 6 of epoch 2 (14 of 16)
+    (split / "latest").write_text("checkpoint-0001-step000006")
+    (split / "model.pt").unlink()
+    proc = mgrit("train", *TINY, "--epochs", "2", "--out", str(split), "--resume",
+                 ranks=ranks)
+    assert "epoch 2 at step 6 (epoch 1 done)" in proc.stdout
+    assert _without_times(split) == _without_times(whole)
+    steps = [r["step"] for r in records(split) if r["type"] == "step"]
+    assert steps == list(range(1, 17))
+    a = torch.load(whole / "model.pt", weights_only=False).state_dict()
+    b = torch.load(split / "model.pt", weights_only=False).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
