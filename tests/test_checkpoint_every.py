@@ -41,3 +41,15 @@ def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks):
     a = torch.load(whole / "model.pt", weights_only=False).state_dict()
     b = torch.load(split / "model.pt", weights_only=False).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_within_epochs_without_checkpoints_are_refused(tmp_path):
+    out = tmp_path / "run"
+    proc = mgrit("train", *TINY, "--checkpoint-every", "3", "--no-checkpoint", "--out",
+                 str(out), check=False)
+    assert proc.returncode == 2
+    assert "[output] checkpoint_every = 3 asks for checkpoints" in proc.stderr
+    assert not out.exists()
+    proc = mgrit("train", *TINY, "--checkpoint-every", "-1", "--out", str(out), check=False)
+    assert proc.returncode == 2
+    assert "[output] checkpoint_every must be >= 0" in proc.stderr

@@ -225,6 +225,10 @@ def check(settings: Settings) -> Settings:
         raise SettingsError(f"[control] max_every = {control.max_every} must be at least "
                             f"every = {control.every} (the probe interval grows from every "
                             "to max_every)")
+    if settings.output.checkpoint_every and not settings.output.checkpoint:
+        raise SettingsError(f"[output] checkpoint_every = {settings.output.checkpoint_every} "
+                            "asks for checkpoints and checkpoint = false (--no-checkpoint) "
+                            "for none: choose one")
     if kind == "vit":
         size = IMAGE_SHAPES[name][-1]
         if size % net.patch:
