@@ -19,12 +19,12 @@ def _without_times(folder):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,serial", [(1, []), (2, []), (1, ["--serial"])])
+def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks, serial):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    mgrit("train", *TINY, "--epochs", "2", "--out", str(whole), ranks=ranks)
-    mgrit("train", *TINY, "--epochs", "2", "--checkpoint-every", "3", "--out", str(split),
-          ranks=ranks)
+    mgrit("train", *TINY, *serial, "--epochs", "2", "--out", str(whole), ranks=ranks)
+    mgrit("train", *TINY, *serial, "--epochs", "2", "--checkpoint-every", "3", "--out",
+          str(split), ranks=ranks)
     # the two latest are kept: 6 steps into epoch 2, and the end of epoch 2
     assert sorted(p.name for p in split.glob("checkpoint-*")) == [
         "checkpoint-0001-step000006", "checkpoint-0002"]
@@ -32,7 +32,7 @@ def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks):
     # as if the run had been stopped after step 6 of epoch 2 (14 of 16)
     (split / "latest").write_text("checkpoint-0001-step000006")
     (split / "model.pt").unlink()
-    proc = mgrit("train", *TINY, "--epochs", "2", "--out", str(split), "--resume",
+    proc = mgrit("train", *TINY, *serial, "--epochs", "2", "--out", str(split), "--resume",
                  ranks=ranks)
     assert "epoch 2 at step 6 (epoch 1 done)" in proc.stdout
     assert _without_times(split) == _without_times(whole)

@@ -29,7 +29,7 @@ def remove_leftovers(out: Path) -> None:
                 stale.unlink(missing_ok=True)
 
 
-def not_written(out: Path, folder: Path, epoch: int, err: WriteError, alone: bool
+def not_written(out: Path, folder: Path, name: str, err: WriteError, alone: bool
                 ) -> WriteError:
     """The error of a checkpoint that could not be written (`err` names the file and
     why): it says that the earlier checkpoint is kept and how to go on from it. With one
@@ -40,8 +40,8 @@ def not_written(out: Path, folder: Path, epoch: int, err: WriteError, alone: boo
     latest = out / "latest"
     kept = (f"the earlier checkpoint {out / latest.read_text().strip()} is kept: --resume "
             "continues from it" if latest.exists() else "no earlier checkpoint exists")
-    return WriteError(err.errno, f"the checkpoint of epoch {epoch} was not written: {err}; "
-                      f"{kept}", err.filename)
+    return WriteError(err.errno, f"checkpoint {name} was not written: {err}; {kept}",
+                      err.filename)
 
 
 def data_parallel_refusal(replicas: int, ranks: int, resume: bool) -> str:

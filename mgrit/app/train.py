@@ -355,16 +355,16 @@ class Run:
                  "draw_step": self._get_draw_step(), "partial": partial}
         if self.controller is not None:
             extra["control"] = self.controller.state_dict()
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "extra": extra}
         try:
             if isinstance(self.model, LayerParallel):
                 self.model.save_checkpoint(tmp, self.optimizer, **extra)
             else:
                 tmp.mkdir(parents=True, exist_ok=True)
+                state = {"model": self.model.state_dict(),
+                         "optimizer": self.optimizer.state_dict(), "extra": extra}
                 write_atomically(tmp / "serial.pt", lambda f: torch.save(state, f))
         except WriteError as err:   # the earlier checkpoint stays `latest`
-            raise not_written(self.out, tmp, epoch, err, self.size == 1) from None
+            raise not_written(self.out, tmp, name, err, self.size == 1) from None
         if self.world is not None:
             self.world.Barrier()
         if self.rank == 0:
