@@ -53,3 +53,11 @@ def test_checkpoints_within_epochs_without_checkpoints_are_refused(tmp_path):
     proc = mgrit("train", *TINY, "--checkpoint-every", "-1", "--out", str(out), check=False)
     assert proc.returncode == 2
     assert "[output] checkpoint_every must be >= 0" in proc.stderr
+
+
+def test_an_interrupt_names_a_checkpoint_within_an_epoch(tmp_path):
+    from mgrit.app.interrupts import kept
+    (tmp_path / "latest").write_text("checkpoint-0001-step000006")
+    assert kept(tmp_path) == f"kept: {tmp_path / 'checkpoint-0001-step000006'} (step 6 of epoch 2)"
+    (tmp_path / "latest").write_text("checkpoint-0002")
+    assert kept(tmp_path) == f"kept: {tmp_path / 'checkpoint-0002'} (the last completed epoch)"

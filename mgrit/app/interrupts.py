@@ -17,6 +17,7 @@ it speaks.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import sys
@@ -43,7 +44,9 @@ def kept(out: Path) -> str:
     except OSError:
         return (f"no checkpoint in {out} yet (one is written at the end of every epoch); "
                 "start the run again")
-    return f"kept: {out / name} (the last completed epoch)"
+    within = re.fullmatch(r"checkpoint-(\d+)-step(\d+)", name)   # --checkpoint-every
+    return (f"kept: {out / name} (step {int(within[2])} of epoch {int(within[1]) + 1})"
+            if within else f"kept: {out / name} (the last completed epoch)")
 
 
 def message(signum: int, out: Path, argv: list[str], ranks: int) -> str:
