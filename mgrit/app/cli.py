@@ -36,6 +36,7 @@ SHORTCUTS = {
 TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size": int,
          "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int,
          "checkpoint_every": int}
+METAVARS = {"checkpoint_every": "STEPS"}
 
 
 def _default(section: str, key: str) -> Any:
@@ -57,8 +58,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, serial: bool = True)
     for name in SHORTCUTS:
         section, key = SHORTCUTS[name]
         choices = CHOICES.get((section, key))
+        metavar = None if choices else METAVARS.get(name, name.upper())
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=TYPES.get(name, str),
-                            choices=choices, metavar=None if choices else name.upper(),
+                            choices=choices, metavar=metavar,
                             help=f"[{section}] {key} (default: {_default(section, key)})")
     parser.add_argument("--levels", type=int, help="[forward] and [backward] levels, the "
                         "relaxation following them unless set (default: "
