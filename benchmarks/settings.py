@@ -14,6 +14,7 @@ states) are measured after a few training steps, as every setting's gradient is.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -150,12 +151,20 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
         runs.append({"step": step, "forward": forward_fn(model, x), "times": {
             "train_step": [], "forward": []}})
         runs[-1]["forward"]()
-    for _ in range(rounds):
-        for run in runs:
-            for metric in ("train_step", "forward"):
-                start = time.perf_counter()
-                run["step" if metric == "train_step" else "forward"]()
-                run["times"][metric].append(time.perf_counter() - start)
+    # every setting's model stays alive for the alternation: the cyclic collector, left on,
+    # would walk all their objects at moments that land on one setting or another
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for run in runs:
+                for metric in ("train_step", "forward"):
+                    start = time.perf_counter()
+                    run["step" if metric == "train_step" else "forward"]()
+                    run["times"][metric].append(time.perf_counter() - start)
+            gc.collect()
+    finally:
+        gc.enable()
     seq = runs[0]["times"]
     base = {m: statistics.median(seq[m]) for m in seq}
     records = []
