@@ -19,6 +19,7 @@ import torch
 from mgrit.app.replay import Interconnect, replay
 from mgrit.kernels.choice import torch_kernels
 
+from ..work import ratios, step_work
 from .cases import CHECKS, CURVES, SERIAL_DEPTHS, TRANSFORMER_CURVES, ScalingCase
 from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
 from .validation import VALIDATED, network_from, validation
@@ -171,7 +172,9 @@ def _result(curve_cases: dict[str, ScalingCase], checks: dict[str, ScalingCase],
                       "repeats": c.repeats, "processes": c.processes,
                       "description": c.work().description,
                       "forward": c.work().forward.describe(),
-                      "backward": c.work().backward.describe()}
+                      "backward": c.work().backward.describe(),
+                      # layer evaluations of a step over sequential stepping's, all ranks
+                      "evaluations": ratios(step_work(c.work()))}
              for c in (*curve_cases.values(), *checks.values())}
     return {"cases": cases, "networks": {k: vars(v) for k, v in networks.items()},
             "ping_pong": ping, "validation": validation_rows, "serial_costs": serial,
@@ -249,15 +252,19 @@ def print_tables(result: dict[str, Any]) -> None:
         rows = ([r for r in result["curves"] if r["case"] == name and r["network"] == "cluster"]
                 if name != "variants" else result["variants"])
         print(f"\n{name}: predicted, cluster network (ms; speedups of a training step / of "
-              "a forward pass)")
+              "a forward pass; hops on the critical path; evals: a step's layer evaluations "
+              "over sequential stepping's, all ranks)")
         print(f"{'case':>10} {'P':>5} {'MGRIT':>9} {'layer-wise':>10} {'serial':>9} "
-              f"{'vs layer-wise':>13} {'vs serial':>9} {'fwd vs lw':>9} {'fwd vs serial':>13}")
+              f"{'vs layer-wise':>13} {'vs serial':>9} {'fwd vs lw':>9} {'fwd vs serial':>13} "
+              f"{'hops':>5} {'evals':>5}")
         for r in rows:
+            evals = result["cases"].get(r["case"], {}).get("evaluations")
             print(f"{r['case']:>10} {r['ranks']:>5} {r['mgrit_train'] * 1e3:9.2f} "
                   f"{r['layerwise_train'] * 1e3:10.2f} {r['serial_train'] * 1e3:9.2f} "
                   f"{r['speedup_vs_layerwise']:13.2f} {r['speedup_vs_serial']:9.2f} "
                   f"{r['forward_speedup_vs_layerwise']:9.2f} "
-                  f"{r['forward_speedup_vs_serial']:13.2f}")
+                  f"{r['forward_speedup_vs_serial']:13.2f} {r['critical'].get('hops', '-'):>5} "
+                  f"{'-' if evals is None else format(evals['train_total'], '5.2f'):>5}")
     native = result.get("native") or []
     if native:
         print(f"\nw2 on mgrit's default kernels (MGRIT_NATIVE={native[0]['kernels_backend']}): "
