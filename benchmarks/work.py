@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from mgrit.core.propagator import Step
 from mgrit.kernels import steps as strategies
 from mgrit.nn import propagators
 
@@ -31,16 +32,20 @@ _local = threading.local()      # depth of counted calls: a call made by one is 
 
 
 class Work:
-    """Counts of layer evaluations: `steps[(direction, level)]` and `values` (adjoint
-    recomputations of forward op outputs)."""
+    """Counts of layer evaluations: `steps[(direction, level)]`, `values` (adjoint
+    recomputations of forward op outputs) and `nonzero_adjoint`: the adjoint steps whose
+    cotangent was not all zeros, the only ones that cost arithmetic (the adjoint is linear;
+    the kernels skip the others)."""
 
     def __init__(self) -> None:
         self.steps: Counter = Counter()
         self.values = 0
+        self.nonzero_adjoint = 0
 
     def reset(self) -> None:
         self.steps.clear()
         self.values = 0
+        self.nonzero_adjoint = 0
 
     def total(self, direction: str) -> int:
         return sum(n for (d, _), n in self.steps.items() if d == direction)
@@ -51,12 +56,22 @@ class Work:
     def record(self) -> dict[str, Any]:
         return {"forward": self.total("forward"), "adjoint": self.total("adjoint"),
                 "forward_by_level": self.by_level("forward"),
-                "adjoint_by_level": self.by_level("adjoint"), "values": self.values}
+                "adjoint_by_level": self.by_level("adjoint"), "values": self.values,
+                "adjoint_nonzero": self.nonzero_adjoint}
 
 
-def _add(work: Work, direction: str, level: int, n: int) -> None:
+def _add(work: Work, direction: str, level: int, n: int, nonzero: int = 0) -> None:
     with _lock:
         work.steps[direction, level] += n
+        if direction == "adjoint":
+            work.nonzero_adjoint += nonzero
+
+
+def _nonzero(x: Any, batched: bool) -> int:
+    """Entries of a cotangent (rows of a batch) that are not all zeros."""
+    if batched:
+        return int(x.reshape(x.shape[0], -1).ne(0).any(1).sum())
+    return int(bool(x.ne(0).any()))
 
 
 def _outermost(work: Work, direction: str, fn: Callable, size: Callable[..., tuple[int, int]]
@@ -64,13 +79,16 @@ def _outermost(work: Work, direction: str, fn: Callable, size: Callable[..., tup
     """`fn` counted by `size(*args) -> (level, steps)` unless a counted call made it."""
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         depth = getattr(_local, "depth", 0)
+        level, n = size(*args)
+        nonzero = (_nonzero(args[0], not isinstance(args[1], Step))
+                   if depth == 0 and direction == "adjoint" else 0)
         _local.depth = depth + 1
         try:
             result = fn(self, *args, **kwargs)
         finally:
             _local.depth = depth
         if depth == 0:
-            _add(work, direction, *size(*args))
+            _add(work, direction, level, n, nonzero)
         return result
     return counted
 
@@ -91,7 +109,10 @@ def _program(work: Work, direction: str, fn: Callable) -> Callable:
             finally:
                 _local.depth = depth
             if depth == 0:
-                _add(work, direction, level, count)
+                # read after the call: a phase's later steps take what its earlier wrote
+                nonzero = (sum(_nonzero(row[0], False) for row in rows)
+                           if direction == "adjoint" else 0)
+                _add(work, direction, level, count, nonzero)
         return run
     return made
 
@@ -172,6 +193,7 @@ def ratios(counts: dict[str, Any]) -> dict[str, float]:
     train, fwd = counts["train_step"], counts["forward"]
     return {"train_forward": train["forward"] / n, "train_adjoint": train["adjoint"] / n,
             "train_values": train["values"] / n,
+            "train_adjoint_nonzero": train["adjoint_nonzero"] / n,
             "train_total": (train["forward"] + train["adjoint"] + train["values"]) / (2 * n),
             "forward": fwd["forward"] / n}
 
@@ -196,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             r = rec["ratios"]
             print(f"{name} {label:>10}: train step fwd {r['train_forward']:.2f} N "
                   f"{counts['train_step']['forward_by_level']}, adj {r['train_adjoint']:.2f} N "
-                  f"{counts['train_step']['adjoint_by_level']}, values {r['train_values']:.2f}"
+                  f"{counts['train_step']['adjoint_by_level']} (non-zero {r['train_adjoint_nonzero']:.2f} N), values {r['train_values']:.2f}"
                   f" N; forward pass {r['forward']:.2f} N {counts['forward']['forward_by_level']}")
     if args.json:
         with open(args.json, "w") as f:

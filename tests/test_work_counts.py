@@ -29,6 +29,7 @@ def test_sequential_stepping_is_n_forward_and_n_adjoint() -> None:
     assert counts["train_step"]["forward_by_level"] == {0: N}
     assert counts["train_step"]["adjoint_by_level"] == {0: N}
     assert counts["forward"]["forward_by_level"] == {0: N}
+    assert counts["train_step"]["adjoint_nonzero"] == N     # the loss's gradient is not zero
     assert ratios(counts)["train_total"] == 1.0
 
 
