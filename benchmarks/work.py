@@ -195,6 +195,9 @@ def ratios(counts: dict[str, Any]) -> dict[str, float]:
             "train_values": train["values"] / n,
             "train_adjoint_nonzero": train["adjoint_nonzero"] / n,
             "train_total": (train["forward"] + train["adjoint"] + train["values"]) / (2 * n),
+            # what costs arithmetic: the adjoint's zero cotangents map to zero for free
+            "train_arithmetic": (train["forward"] + train["adjoint_nonzero"] + train["values"])
+            / (2 * n),
             "forward": fwd["forward"] / n}
 
 
