@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mgrit.core.propagator import Step
-from mgrit.kernels import steps as strategies
+from mgrit.kernels import strategies
 from mgrit.nn import propagators
 
 _lock = threading.Lock()
