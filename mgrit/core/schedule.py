@@ -25,8 +25,12 @@ recorded; such a solver runs every cycle as before.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
+
+if TYPE_CHECKING:
+    from .level import Level
 
 
 class _KeyCheck:
@@ -99,3 +103,55 @@ class Schedule:
     def replay(self) -> None:
         for call in self.calls:
             call()
+
+
+class Replays:
+    """A solver's record of its cycle: whether the next cycle is replayed (`replay`),
+    recorded (`recording`) or run as it is. `schedule` is the record being replayed,
+    `current` the one being made; `declined` a record that could not be replayed (a phase
+    ran step by step): while its keys hold, cycles run as they are, not recorded again."""
+
+    def __init__(self, levels: list[Level], program_key: Callable[[int, int], Hashable | None]
+                 | None, enabled: bool) -> None:
+        self.levels = levels
+        self.program_key = program_key
+        self.enabled = enabled
+        self.schedule: Schedule | None = None
+        self.current: Schedule | None = None
+        self.declined: Schedule | None = None
+
+    def replay(self) -> bool:
+        """Replay the record if one is valid; whether it was."""
+        schedule = self.schedule
+        if schedule is not None:
+            if schedule.valid():
+                schedule.replay()
+                return True
+            self.schedule = None
+        return False
+
+    def records(self) -> bool:
+        """Whether the next cycle is to be recorded (else it runs as it is)."""
+        declined = self.declined
+        return self.enabled and (declined is None or not declined.valid())
+
+    @contextmanager
+    def recording(self) -> Iterator[Schedule]:
+        """Record the cycle made inside: the levels record their calls in the schedule
+        yielded; kept for replay if every phase was one compiled call, else declined. An
+        error leaves no record and no level recording."""
+        assert self.program_key is not None
+        self.declined = None
+        schedule = self.current = Schedule(self.program_key)
+        for level in self.levels:
+            level.recorder = schedule
+        try:
+            yield schedule
+        finally:
+            self.current = None
+            for level in self.levels:
+                level.recorder = None
+        if schedule.replayable:
+            self.schedule = schedule
+        else:
+            self.declined = schedule
