@@ -28,7 +28,7 @@ from typing import Any
 
 from mgrit.app.replay import Event, Interconnect, replay
 from mgrit.comm import tracing
-from mgrit.core.level import Level
+from mgrit.core.boundary import Boundary
 
 from . import virtual, warm
 from .hierarchies import VARIANTS, variant_work
@@ -43,13 +43,13 @@ PASSES = {"solve_forward": "forward", "solve_backward": "adjoint"}
 
 def _label() -> tuple[str, int | None]:
     """(pass, level) of the message event being recorded, from the stack: the level whose
-    method sends or waits, None for a collective or a message outside the levels."""
+    messages send or wait, None for a collective or a message outside the levels."""
     level = None
     frame = sys._getframe(2)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if level is None and isinstance(owner, Level):
-            level = owner.index
+        if level is None and isinstance(owner, Boundary):
+            level = owner.level.index
         name = PASSES.get(frame.f_code.co_name)
         if name is not None:
             return name, level

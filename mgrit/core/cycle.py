@@ -201,7 +201,7 @@ class Solver:
     def _initialize(self, u0: Tensor, guess: str | Tensor) -> None:
         self._residuals.forget()
         for level in self.levels:
-            level.drain()
+            level.boundary.drain()
             if level.index > 0:
                 level.u.zero_()
                 level.g.zero_()
@@ -307,7 +307,7 @@ class Solver:
 
     def _drain(self) -> None:
         for level in self.levels:
-            level.drain()
+            level.boundary.drain()
 
     # the solve -----------------------------------------------------------------
     def solve(self, u0: Tensor, final: bool = True) -> Result:

@@ -11,7 +11,7 @@ wait, so a run of such ranks does not become a chain.
 The parts of a sweep between its messages (the batched sub-steps, a march) go through
 `_sweep`, which an executor with CUDA graphs (Config.cuda_graphs) captures and replays;
 where the propagator compiles phases (`CompiledPropagator`), such a part is instead one
-compiled call of all its steps (`Level.program`), built once per level and phase.
+compiled call of all its steps (`Phases.program`), built once per level and phase.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from ..execute import Executor
-from .level import Level, PhaseSteps
+from .level import Level
+from .phases import PhaseSteps
 from .propagator import Capabilities
 
 
@@ -68,7 +69,8 @@ def _march_steps(level: Level, j_from: int, j_to: int) -> PhaseSteps:
 
 def _run_march(level: Level, executor: Executor, name: str, j_from: int, j_to: int) -> None:
     """`march` as one compiled phase where the propagator has one, else step by step."""
-    program = level.program(name, executor, 1, lambda: _march_steps(level, j_from, j_to))
+    program = level.phases.program(name, executor, 1,
+                                   lambda: _march_steps(level, j_from, j_to))
     if program is not None:
         program()
     else:
@@ -92,15 +94,15 @@ def phi_at(level: Level, executor: Executor, src: Tensor, first: int, stride: in
     name = ("phi", src is level.v, first, stride, count)
 
     def build() -> PhaseSteps:
-        buf = level.buffer(name, count)
+        buf = level.phases.buffer(name, count)
         points = range(first, first + stride * count, stride)
         return ([level.step(j) for j in points],
                 [(src[level.row(j)], buf[i], None) for i, j in enumerate(points)], count)
 
-    program = level.program(name, executor, count, build)
+    program = level.phases.program(name, executor, count, build)
     if program is not None:
         program()
-        return level.buffer(name, count)
+        return level.phases.buffer(name, count)
     return executor.advance(src[level.rows(first, stride, count)],
                             level.batch(first, stride, count))
 
@@ -111,7 +113,7 @@ def f_relax(level: Level, executor: Executor) -> None:
         return
     m = level.grid.coarsening
     u, g = level.u, level.g
-    level.post_ghost(c_phase=False)
+    level.boundary.post_ghost(c_phase=False)
     first_c, _ = level.c_points(skip_zero=False)
 
     def intervals() -> None:
@@ -125,7 +127,7 @@ def f_relax(level: Level, executor: Executor) -> None:
                                   None if g is None else g[dst])
 
     if first_c <= level.last:
-        program = level.program("f", executor, (level.last - first_c) // m + 1,
+        program = level.phases.program("f", executor, (level.last - first_c) // m + 1,
                                 lambda: _interval_steps(level, first_c))
         if program is not None:
             program()
@@ -136,22 +138,22 @@ def f_relax(level: Level, executor: Executor) -> None:
     if leading and first_c <= level.last:
         # the last point closes one of this rank's own intervals and is final already: pass
         # it on before waiting for the ghost, or the ranks would wait for each other in turn
-        level.changed(c_phase=False)
-        level.wait_ghost()
+        level.boundary.changed(c_phase=False)
+        level.boundary.wait_ghost()
         _run_march(level, executor, "f-lead", level.first, last)
-        level.touched()
+        level.boundary.touched()
         return
     if leading:
-        level.wait_ghost()
+        level.boundary.wait_ghost()
         _run_march(level, executor, "f-lead", level.first, last)
-    level.changed(c_phase=False)
+    level.boundary.changed(c_phase=False)
 
 
 def propagate_to_c_points(level: Level, executor: Executor, first_c: int, count: int
                           ) -> Tensor:
     """Phi(u_{c-1}) for the rank's C-points c = first_c, first_c + m, ... (count of them)."""
     if first_c == level.first:
-        level.wait_ghost()
+        level.boundary.wait_ghost()
     return phi_at(level, executor, level.u, first_c - 1, level.grid.coarsening, count)
 
 
@@ -159,16 +161,17 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
     """u_c = w*(g_c + Phi(u_{c-1})) + (1-w)*u_c at the rank's C-points (not point 0)."""
     if level.empty:
         return
-    level.post_ghost(c_phase=True)
+    level.boundary.post_ghost(c_phase=True)
     first_c, count = level.c_points()
-    program = (level.program("c", executor, count, lambda: _c_steps(level, first_c, count))
+    program = (level.phases.program("c", executor, count,
+                                    lambda: _c_steps(level, first_c, count))
                if count and weight == 1.0 else None)
     if program is not None:
         if first_c == level.first:
-            level.wait_ghost()
+            level.boundary.wait_ghost()
         program()
     elif count:
-        level.step_by_step()
+        level.phases.step_by_step()
         new = propagate_to_c_points(level, executor, first_c, count)
         rows = level.rows(first_c, level.grid.coarsening, count)
         if weight == 1.0 and level.g is not None:
@@ -179,7 +182,7 @@ def c_relax(level: Level, executor: Executor, weight: float) -> None:
             if level.g is not None:
                 new = level.g[rows] + new
             level.u[rows] = weight * new + (1.0 - weight) * level.u[rows]
-    level.changed(c_phase=True)
+    level.boundary.changed(c_phase=True)
 
 
 def _c_steps(level: Level, first_c: int, count: int) -> PhaseSteps:
@@ -192,8 +195,8 @@ def sweep(level: Level, executor: Executor) -> None:
     """Solve the coarsest level: one march over all points, rank after rank."""
     if level.empty:
         return
-    level.post_ghost(c_phase=False)
+    level.boundary.post_ghost(c_phase=False)
     if level.first > 0:
-        level.wait_ghost()
+        level.boundary.wait_ghost()
     _run_march(level, executor, "sweep", max(level.first, 1), level.last)
-    level.changed(c_phase=False)
+    level.boundary.changed(c_phase=False)

@@ -90,14 +90,14 @@ class Operations:
     def restrict(self, l: int) -> None:
         """Inject level l's C-points into level l+1 and form its FAS right-hand side."""
         fine, coarse = self.levels[l], self.levels[l + 1]
-        coarse.drain()
+        coarse.boundary.drain()
         if coarse.empty:
             return
         views = self.transfer(l)
         run = self.run
-        coarse.post_v_ghost()
+        coarse.boundary.post_v_ghost()
         run(views.coarse_v.copy_, views.fine_u)
-        coarse.publish_v()
+        coarse.boundary.publish_v()
         if views.count:
             if l == 0:
                 phi = self.fine_phi(views)
@@ -110,11 +110,11 @@ class Operations:
                 run(torch.sub, views.fine_g_c, views.fine_u_c, out=residual)
                 run(residual.add_, phi)
             if views.j0 == coarse.first:
-                coarse.wait_v_ghost()
+                coarse.boundary.wait_v_ghost()
             phi_coarse = phi_at(coarse, self.executor, coarse.v, views.j0 - 1, 1, views.count)
             run(torch.add, residual, views.coarse_v_c, out=views.coarse_g_c)
             run(views.coarse_g_c.sub_, phi_coarse)
-        coarse.wait_v_ghost()
+        coarse.boundary.wait_v_ghost()
         run(coarse.u.copy_, coarse.v)
 
     def update_c_points(self, l: int, correct: bool) -> None:
@@ -122,7 +122,7 @@ class Operations:
         fine, coarse = self.levels[l], self.levels[l + 1]
         if fine.empty:
             return
-        fine.post_ghost(c_phase=True)
+        fine.boundary.post_ghost(c_phase=True)
         if not coarse.empty:
             views = self.transfer(l)
             run = self.run
@@ -131,7 +131,7 @@ class Operations:
                 run(views.fine_u.add_, views.correction)
             else:
                 run(views.fine_u.copy_, views.coarse_u)
-        fine.changed(c_phase=True)
+        fine.boundary.changed(c_phase=True)
 
 
 class RecordedOperations(Operations):
