@@ -1,19 +1,21 @@
-"""FAS restriction, coarse right-hand side, correction, V- and F-cycles, and solve()."""
+"""The solver: V- and F-cycles over the levels and the solve that repeats them (docs/solver.md).
+
+What a cycle does between levels is its operations object's (`mgrit.core.transfer`), the
+residual norms and their reductions are `mgrit.core.residual`'s, and the record and replay
+of whole cycles `mgrit.core.schedule`'s.
+"""
 
 from __future__ import annotations
 
-import cmath
-import math
-import warnings
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from ..comm import Comm, as_comm
 from ..execute import make_executor
+from .checks import (check_guess, check_number, check_step, check_u0,
+                     warn_below_round_off)
 from .config import Config
 from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
@@ -22,6 +24,8 @@ from .relax import c_relax, f_relax, sweep
 from .residual import DeferredHistory, DivergenceError, History, Residuals
 from .schedule import Replays, Schedule
 from .transfer import Operations
+
+__all__ = ["DivergenceError", "Result", "Solver", "solve"]
 
 
 @dataclass
@@ -50,29 +54,6 @@ class Result:
     initial_residual: float | None = None
 
 
-def _check_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite real number, got {value!r}")
-    return float(value)
-
-
-def _warn_below_round_off(config: Config, dtype: torch.dtype) -> None:
-    """A relative tolerance that the states' precision cannot reach is a wasted solve: the
-    residual stalls at round-off and every one of max_iter cycles runs. Not an error (a
-    caller may want max_iter cycles), so a warning, at construction."""
-    if config.tol_kind != "relative" or config.tol == 0.0:
-        return
-    if not (dtype.is_floating_point or dtype.is_complex):
-        return
-    eps = torch.finfo(dtype).eps
-    if config.tol < 10 * eps:
-        warnings.warn(f"tol={config.tol:g} (relative) is below what {dtype} states resolve "
-                      f"(machine epsilon {eps:.1e}): the residual stalls at round-off, the "
-                      f"solve will not converge and runs all max_iter={config.max_iter} "
-                      "cycles; use a tolerance above 10 epsilon or a wider dtype",
-                      RuntimeWarning, stacklevel=3)
-
-
 class Solver:
     """MGRIT for one propagator, state shape and time grid; reusable across solves.
 
@@ -99,8 +80,8 @@ class Solver:
             raise TypeError(f"num_steps must be an int, got {num_steps!r}")
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        t0 = _check_number("t0", t0)
-        t1 = _check_number("t1", t1)
+        t0 = check_number("t0", t0)
+        t1 = check_number("t1", t1)
         if t1 == t0:
             raise ValueError(f"t1 must differ from t0, both are {t0}")
         caps = Capabilities.of(prop)
@@ -114,12 +95,12 @@ class Solver:
         self.num_steps = num_steps
         self.t0, self.t1 = t0, t1
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
-        _warn_below_round_off(config, like.dtype)
+        warn_below_round_off(config, like.dtype)
         self.executor = make_executor(config.execution, caps, config.cuda_graphs,
                                       type(prop).__name__)
         self.comm = as_comm(comm)
         if isinstance(config.initial_guess, Tensor):
-            self._check_guess(config.initial_guess)
+            check_guess(config.initial_guess, num_steps, like.shape, like.dtype)
         self.comm.agree("solver settings (num_steps, t0, t1, state shape, dtype, config)",
                         (num_steps, t0, t1, tuple(like.shape), str(like.dtype),
                          tuple(sorted(config.describe().items()))))
@@ -143,7 +124,7 @@ class Solver:
         self._ops = Operations(self.levels, self.executor, self._residuals, final_sweep)
         # cycles recorded and replayed (`mgrit.core.schedule`) where every phase may be one
         # compiled call
-        self._replays = Replays(self.levels, caps.program_key,
+        self._replays = Replays(self.levels,
                                 self.replays and self.executor.compiles
                                 and self.executor.graphs is None
                                 and caps.program_key is not None
@@ -163,39 +144,6 @@ class Solver:
     def _final_owner(self) -> int:
         """The rank that holds the state at t1."""
         return self._residuals.final_owner
-
-    # input checks ------------------------------------------------------------
-    def _check_guess(self, guess: Tensor) -> None:
-        expected = (self.num_steps + 1, *self.shape)
-        if tuple(guess.shape) != expected or guess.dtype != self.dtype:
-            raise ValueError(f"initial_guess tensor has shape {tuple(guess.shape)} and dtype "
-                             f"{guess.dtype}; expected shape {expected} (num_steps + 1 points) "
-                             f"and dtype {self.dtype}")
-
-    def _check_u0(self, u0: Tensor) -> None:
-        if not isinstance(u0, Tensor):
-            raise TypeError(f"u0 must be a torch.Tensor, got {type(u0).__name__}")
-        if u0.shape != self.shape or u0.dtype != self.dtype:
-            raise ValueError(f"u0 has shape {tuple(u0.shape)} and dtype {u0.dtype}; this solver "
-                             f"was built for shape {tuple(self.shape)} and dtype {self.dtype}")
-        # a NaN or Inf anywhere makes the sum one (one reduction and a read, where the
-        # exact test takes three calls); a sum of finite values may overflow, so a sum
-        # that is not finite is checked entry by entry
-        if not cmath.isfinite(u0.sum().item()) and not bool(torch.isfinite(u0).all()):
-            raise ValueError("u0 contains NaN or Inf")
-
-    def _check_step(self, u0: Tensor) -> None:
-        """One fine step on u0 (the first step this rank takes) must keep shape and dtype."""
-        fine = self.levels[0]
-        if fine.empty or fine.last == 0:   # no point, or point 0 alone: this rank takes no step
-            return
-        out = self.caps.step(u0, fine.step(max(fine.first - 1, 0)))
-        if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
-            got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
-                   else type(out).__name__)
-            raise TypeError(f"{type(self.prop).__name__}.step returned {got} for a state of "
-                            f"shape {tuple(u0.shape)}, dtype {u0.dtype}; it must keep both")
-        self._step_checked = True
 
     # set-up of one solve -----------------------------------------------------
     def _initialize(self, u0: Tensor, guess: str | Tensor) -> None:
@@ -227,7 +175,7 @@ class Solver:
         if not replays.records():
             self._cycle(self._ops, 0, self.config.cycle, first_f=False)
             return
-        with replays.recording() as schedule:
+        with replays.recording(self.caps.program_key) as schedule:
             self._cycle(self._ops.recorded(schedule), 0, self.config.cycle, first_f=False)
 
     def _cycle(self, ops: Operations, l: int, kind: str, first_f: bool) -> None:
@@ -325,9 +273,10 @@ class Solver:
 
     def _solve(self, u0: Tensor, want_final: bool) -> Result:
         cfg = self.config
-        self._check_u0(u0)
+        check_u0(u0, self.shape, self.dtype)
         if not self._step_checked:
-            self._check_step(u0)
+            check_step(self.caps, type(self.prop).__name__, self.levels[0], u0)
+            self._step_checked = True
         self._initialize(u0, cfg.initial_guess)
         multilevel = len(self.levels) > 1
         if cfg.initial_guess == "nested" and multilevel:

@@ -111,10 +111,8 @@ class Replays:
     `current` the one being made; `declined` a record that could not be replayed (a phase
     ran step by step): while its keys hold, cycles run as they are, not recorded again."""
 
-    def __init__(self, levels: list[Level], program_key: Callable[[int, int], Hashable | None]
-                 | None, enabled: bool) -> None:
+    def __init__(self, levels: list[Level], enabled: bool) -> None:
         self.levels = levels
-        self.program_key = program_key
         self.enabled = enabled
         self.schedule: Schedule | None = None
         self.current: Schedule | None = None
@@ -136,13 +134,13 @@ class Replays:
         return self.enabled and (declined is None or not declined.valid())
 
     @contextmanager
-    def recording(self) -> Iterator[Schedule]:
-        """Record the cycle made inside: the levels record their calls in the schedule
-        yielded; kept for replay if every phase was one compiled call, else declined. An
-        error leaves no record and no level recording."""
-        assert self.program_key is not None
+    def recording(self, program_key: Callable[[int, int], Hashable | None]
+                  ) -> Iterator[Schedule]:
+        """Record the cycle made inside under the propagator's `program_key`: the levels
+        record their calls in the schedule yielded; kept for replay if every phase was one
+        compiled call, else declined. An error leaves no record and no level recording."""
         self.declined = None
-        schedule = self.current = Schedule(self.program_key)
+        schedule = self.current = Schedule(program_key)
         for level in self.levels:
             level.recorder = schedule
         try:
