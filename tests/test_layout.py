@@ -71,6 +71,24 @@ def test_the_core_knows_no_network_no_mpi_library_no_kernel_and_no_tool():
                                        "mgrit.problems", "mgrit.app", "benchmarks")) == []
 
 
+def test_every_core_module_stays_short():
+    """The algorithm's modules stay readable side by side with docs/solver.md: a module that
+    grows past the limit is split by job (storage, messages, phases, transfers, residuals)."""
+    long = {path.name: n for path in _files("core")
+            if (n := len(path.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_only_the_boundary_object_moves_point_to_point_messages_in_the_core():
+    """A level's messages to its neighbour ranks are set up, posted and completed in
+    `mgrit/core/boundary.py` alone; the cycle and the relaxations ask a level's boundary."""
+    messages = tuple(f"mgrit.comm.{name}" for name in ("send_init", "recv_init", "Persistent",
+                                                         "Request"))
+    users = [path.name for path in _files("core")
+             if any(_within(module, messages) for module in _imports(path))]
+    assert users == ["boundary.py"]
+
+
 def test_the_seams_below_the_core_stay_below_it():
     # comm and execute serve the core: neither imports it beyond the propagator contract,
     # nor anything above it
