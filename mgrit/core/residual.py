@@ -123,21 +123,6 @@ class Residuals:
         return final
 
 
-def diverged(residuals: list[float], factor: float) -> DivergenceError | None:
-    """The error for the first cycle whose residual is not finite or grew past `factor`
-    times the first cycle's, or None; every rank, holding the same norms, finds the same."""
-    for k, r in enumerate(residuals):
-        if not math.isfinite(r) or r > factor * residuals[0]:
-            history = residuals[:k + 1]
-            return DivergenceError(
-                f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
-                f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
-                "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
-                "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
-                "use fewer levels, a smaller coarsening, or more steps.", history)
-    return None
-
-
 class History:
     """The residual norms of one solve, reduced over the ranks after every cycle: the solve
     stops at the first that meets the tolerance, and raises at the first that diverges
@@ -148,6 +133,7 @@ class History:
         self.residuals = residuals
         self.tol, self.relative, self.factor = tol, relative, factor
         self.drain = drain
+        self._allreduce_sum = residuals.comm.allreduce_sum     # bound once: called per cycle
         self.norms: list[float] = []
         self.initial: float | None = None     # the guess's, for a relative tolerance
         self.converged = False
@@ -158,7 +144,7 @@ class History:
 
     def add(self, local: float) -> None:
         """A cycle's residual (this rank's part)."""
-        self.norms.append(self.residuals.norm(local))
+        self.norms.append(math.sqrt(self._allreduce_sum(local)))
 
     def done(self) -> bool:
         """Whether the last cycle met the tolerance; raises if it diverged."""
@@ -172,10 +158,18 @@ class History:
         return None
 
     def _check(self, norms: list[float]) -> None:
-        error = diverged(norms, self.factor)
-        if error is not None:
-            self.drain()
-            raise error
+        """Raise (every rank alike, holding the same norms) at the first cycle whose
+        residual is not finite or grew past `factor` times the first cycle's."""
+        for k, r in enumerate(norms):
+            if not math.isfinite(r) or r > self.factor * norms[0]:
+                self.drain()
+                history = norms[:k + 1]
+                raise DivergenceError(
+                    f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
+                    f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
+                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
+                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
+                    "use fewer levels, a smaller coarsening, or more steps.", history)
 
 
 class DeferredHistory(History):

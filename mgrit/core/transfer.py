@@ -62,6 +62,8 @@ class Operations:
         self.residuals = residuals
         self.hook = hook
         self.run: Callable[..., Any] = _call
+        # Phi at level 0's C-points (first_c, count), kept while u is unchanged
+        self.fine_phi: Callable[[int, int], Tensor] = residuals.phi_at_c_points
         self._transfers: dict[int, Transfer] = {}
 
     def recorded(self, schedule: Schedule) -> RecordedOperations:
@@ -75,10 +77,6 @@ class Operations:
         if views is None:
             views = self._transfers[l] = Transfer(self.levels[l], self.levels[l + 1])
         return views
-
-    def fine_phi(self, views: Transfer) -> Tensor:
-        """Phi at level 0's C-points (kept while u is unchanged, `Residuals`)."""
-        return self.residuals.phi_at_c_points(views.first_c, views.count)
 
     def final_sweep(self, active: bool) -> None:
         """Call the `final_sweep` hook, if any: the final sweep of level 0 begins (True) or,
@@ -100,7 +98,7 @@ class Operations:
         coarse.boundary.publish_v()
         if views.count:
             if l == 0:
-                phi = self.fine_phi(views)
+                phi = self.fine_phi(views.first_c, views.count)
             else:
                 phi = propagate_to_c_points(fine, self.executor, views.first_c, views.count)
             residual = views.residual
@@ -144,9 +142,10 @@ class RecordedOperations(Operations):
         self._transfers = direct._transfers     # the views are the same ones
         self.schedule = schedule
         self.run = schedule.call
+        self.fine_phi = self._recorded_phi
 
-    def fine_phi(self, views: Transfer) -> Tensor:
-        return self.schedule.call(self._phi_into, views)
+    def _recorded_phi(self, first_c: int, count: int) -> Tensor:
+        return self.schedule.call(self._phi_into, self.transfer(0))
 
     def _phi_into(self, views: Transfer) -> Tensor:
         """Phi at level 0's C-points in `views.phi`: the calls recorded after this one read
