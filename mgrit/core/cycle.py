@@ -272,6 +272,8 @@ class Solver:
             raise
 
     def _solve(self, u0: Tensor, want_final: bool) -> Result:
+        """Cycles from the initial guess until the residual history stops them: converged,
+        diverged (raised), or max_iter cycles done (docs/solver.md)."""
         cfg = self.config
         check_u0(u0, self.shape, self.dtype)
         if not self._step_checked:
