@@ -5,7 +5,13 @@ import torch
 
 from mgrit.app import launch
 
-from needs import missing
+from needs import cuda_device, missing
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `gpu`-marked test needs a CUDA device (`needs.cuda_device`)."""
+    if item.get_closest_marker("gpu") is not None:
+        cuda_device()
 
 
 @pytest.fixture(autouse=True)

@@ -207,14 +207,15 @@ def test_kernels_refuse_to_drop_autograd():
 
 # (c) the kernels against their twins (GPU only) ------------------------------------------
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# marked `gpu`: skipped without a CUDA device (tests/conftest.py)
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
-# tiles of 8 samples with partial tiles, widths off the warp size, and the one-sample path
-# (a tile too wide for shared memory)
-SHAPES = [(7, 1, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
+# W2's and W2b's shapes (256 intervals of width 32, 1 and 32 samples), tiles of 8 samples
+# with partial tiles, widths off the warp size, and the one-sample path (a tile too wide
+# for shared memory)
+SHAPES = [(256, 1, 32), (256, 32, 32), (7, 1, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("B,S,d", SHAPES)
 def test_kernels_match_their_twins(B, S, d, dtype):
@@ -226,7 +227,7 @@ def test_kernels_match_their_twins(B, S, d, dtype):
     assert _relative_error(vjp, expected) <= TOLERANCE[dtype]
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kernels_take_strided_layer_views(dtype):
     """Every second layer of a stack, as LayerStack.rows gives a coarse level: no copy."""
@@ -240,7 +241,7 @@ def test_kernels_take_strided_layer_views(dtype):
     assert _relative_error(vjp, expected) <= TOLERANCE[dtype]
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype):
     limit = cuda.library().mgrit_dense_max_width(torch.finfo(dtype).bits // 8)
@@ -258,35 +259,7 @@ def test_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype):
         cuda.dense_step_vjp(u, W, b, g, 0.1)
 
 
-# (d) the GPU check's executor section, dry run on this machine --------------------------
-
-def _gpu_check():
-    from benchmarks import gpu_check
-    return gpu_check
-
-
-@pytest.mark.slow
-def test_gpu_check_compares_every_executor_with_the_loop(monkeypatch):
-    """The section that checks the batched and the stream executor against the loop, and
-    levels=1 against serial PyTorch, on a GPU, run on the CPU: float64 results agree, and a
-    tolerance that nothing meets (here float32's, set below zero) fails the section, naming
-    what differed."""
-    check = _gpu_check()
-    monkeypatch.setattr(check, "EXECUTOR_TOLERANCE", {torch.float64: 1e-12, torch.float32: -1.0})
-    records = []
-    with pytest.raises(AssertionError, match="4 results differ.*float32"):
-        check.executors(torch.device("cpu"), records, ("w2",))
-    compared = {(r["method"], r["dtype"]): r["ok"] for r in records}
-    methods = ("batched vs loop", "streams vs loop", "cuda graphs vs loop",
-               "levels=1 vs serial pytorch")
-    assert compared == {**{(m, "torch.float64"): True for m in methods},
-                        **{(m, "torch.float32"): False for m in methods}}
-    assert all(r["gradient_error"] < 1e-12 for r in records if r["dtype"] == "torch.float64")
-    table = check._table({"environment": {}, "executors": records, "failures": {}})
-    assert "| executors w2 torch.float64 | streams vs loop |" in table
-
-
-# (e) LayerParallel's CUDA path: on a GPU, and on the CPU with the twins for kernels -------
+# (d) LayerParallel's CUDA path: on a GPU, and on the CPU with the twins for kernels -------
 
 def _device_blind_checks(name: str, tensors: dict[str, torch.Tensor]) -> None:
     """The kernels' own argument checks (shapes, dtypes, layout within an interval, no
@@ -361,9 +334,9 @@ def _dense_network_run(solves: str, device: str, ranks: int) -> list[dict]:
 @pytest.mark.parametrize("device,solves,ranks", [
     ("cpu", "exact", 1), ("cpu", "converged", 1), ("cpu", "converged", 3),
     ("cpu", "inexact", 1), ("cpu", "inexact", 3),
-    pytest.param("cuda", "exact", 1, marks=needs_gpu),
-    pytest.param("cuda", "converged", 1, marks=needs_gpu),
-    pytest.param("cuda", "inexact", 1, marks=needs_gpu)])
+    pytest.param("cuda", "exact", 1, marks=pytest.mark.gpu),
+    pytest.param("cuda", "converged", 1, marks=pytest.mark.gpu),
+    pytest.param("cuda", "inexact", 1, marks=pytest.mark.gpu)])
 def test_layer_parallel_on_the_cuda_path_matches_autograd_and_torch_kernels(
         device, solves, ranks, monkeypatch):
     """A dense tanh network through `CudaDenseSteps` (batched steps and adjoint steps on
