@@ -1,319 +1,332 @@
-"""GPU check of mgrit's CUDA path (run by gpu_check.sh): correctness asserted, speed as
-ratios measured in one run.
+"""Speed of mgrit on one GPU next to the strongest serial baselines (run by gpu_check.sh;
+correctness is `pytest -m gpu`).
 
-    python benchmarks/gpu_check.py [--out DIR] [--repeats N] [--device cuda|cpu]
-                                   [--sections a,b,...]
+    python benchmarks/gpu_check.py [--out DIR] [--device cuda|cpu] [--workloads w2,w2b,w1,w4]
+        [--compile w1,w2,w2b,w4] [--repeats N] [--budget SECONDS] [--job-limit SECONDS]
+        [--compile-limit SECONDS]
 
-Sections, each in its own process under its own time limit, written to DIR/gpu_check.json
-as soon as it ends (a failing or stuck section is recorded and the others still run):
-  kernels_vs_twins  each CUDA kernel against its pure-torch twin, max|kernel - twin| /
-                    max|twin| (asserted: float64 <= 1e-12, float32 <= 1e-5)
-  executors         the batched executor (also with CUDA graphs of its sweeps) and the
-                    stream executor against the loop executor, and levels=1 against serial
-                    PyTorch: W2 and W2b, float64 and float32, a no-grad forward and a whole
-                    training step (output and every gradient; asserted)
-  two_ranks         2 MPI ranks sharing the GPU (states and messages on the device, staged
-                    through the host or CUDA-aware) against 1 rank: output, every gradient
-                    and the forward and adjoint residual histories (asserted)
-  speed             serial PyTorch (eager, and the whole step captured as a CUDA graph)
-                    against mgrit levels=1 and MGRIT with batched relaxation, streams and
-                    graphs: forward and training step of W2, W2b and W1, timed with CUDA
-                    events, with the kernel launches of one step of each
-  kernel_timing     kernels against their twins, B = 256 intervals, d = 32, S = 1 and 32
-The exit status is 1 if any section failed, 2 without a CUDA device. `--device cpu` is a dry
-run without a GPU: the CUDA-only parts are left out, the rest runs on the CPU.
+Every method of `METHODS` times a no-grad forward pass and a whole training step (forward,
+loss, backward, optimizer update) of each workload, all methods of a workload next to each
+other in one process, with CUDA events after untimed warm-up calls (median of the
+repeats). The first method, serial PyTorch with the whole step captured as one CUDA graph,
+is the strongest baseline; every ratio is against it. torch.compile (mode
+"reduce-overhead") runs last, in a process of its own per workload under --compile-limit,
+so a slow compile costs no other measurement. Before it is timed, every method's first
+forward output and first update (from the common initial weights) are compared with serial
+eager PyTorch's: a method that times something else than the step shows there.
+
+DIR/gpu-<device>.json is rewritten after every method, so a run stopped by its time limit
+keeps all it measured; DIR/gpu-<device>.md is the table. A method that cannot run here
+(CUDA only, or a part of mgrit that does not exist yet) is recorded as not available; one
+that fails, or whose process runs past its limit, as failed or timed out. The exit status
+is 1 if a method other than torch.compile failed or timed out, 2 without a CUDA device.
+`--device cpu` is the dry run: small workloads, CPU timers, torch.compile with the
+"aot_eager" backend, every path but the CUDA-only calls.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
+
+if __package__ in (None, ""):   # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from torch import Tensor, nn
 
-import mgrit
-from mgrit.kernels import cuda as kernels
-
 from benchmarks.timing import median_seconds
-from benchmarks.training import build, forward_fn, sequential_variant, train_step_fn
-from benchmarks.workloads import TRAINING_WORKLOADS, TrainingWorkload
+from benchmarks.training import build, sequential_variant
+from benchmarks.workloads import TrainingWorkload, w1, w1_workload, w2, w2_workload, w4_workload
 
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
-# (B, S, d): the timing shapes, partial sample tiles, widths off the warp size, the
-# one-sample path (a tile too wide for shared memory)
-CHECK_SHAPES = [(256, 1, 32), (256, 32, 32), (5, 13, 40), (3, 9, 130), (2, 3, 800)]
-TIMING_SHAPES = [(256, 1, 32), (256, 32, 32)]
-KERNEL_CALLS = 100  # back-to-back calls per timed kernel repeat
-# name -> (seconds it may take, whether it needs a GPU); run in this order, the assertions
-# first, so that the minutes of a short visit go to what matters most
-SECTIONS = {"kernels_vs_twins": (45, True), "executors": (90, False),
-            "two_ranks": (90, False), "speed": (240, False), "kernel_timing": (30, True)}
-# results against their twins' (relative to the twin's largest entry): a float32 training
-# step goes through 1024 layers and three MGRIT cycles
-EXECUTOR_TOLERANCE = {torch.float64: 1e-11, torch.float32: 1e-4}
+METRICS = ("train_step", "forward")   # the step first: it matters most if time runs out
+DEEP_W4_BLOCKS = 256
 
 
-def _problem(B: int, S: int, d: int, dtype: torch.dtype, device: torch.device
-             ) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(B * 10007 + S * 101 + d)
-    tensors = {"u": torch.randn(B, S, d, generator=gen, dtype=dtype),
-               "W": torch.randn(B, d, d, generator=gen, dtype=dtype) / d ** 0.5,
-               "b": torch.randn(B, d, generator=gen, dtype=dtype),
-               "g": torch.randn(B, S, d, generator=gen, dtype=dtype)}
-    return {k: v.to(device) for k, v in tensors.items()}
+# Workloads -----------------------------------------------------------------------------
+
+def workload(name: str, small: bool) -> TrainingWorkload:
+    """The timed workload `name`; `small` (the CPU dry run): the same kind, a few layers.
+    W4 is the deep transformer without dropout: its draws would change every step, which a
+    captured step takes as device tensors, and its arithmetic is what is timed."""
+    if name in ("w2", "w2b"):
+        work = w2_workload(batch=1 if name == "w2" else 32)
+        return replace(work, network=lambda: w2(num_steps=64)) if small else work
+    if name == "w1":
+        work = w1_workload()
+        return replace(work, network=lambda: w1(num_steps=16)) if small else work
+    if name == "w4":
+        if small:
+            return w4_workload(batch=2, num_steps=16, width=16, heads=2, context=8,
+                               dropout=0.0)
+        return w4_workload(num_steps=DEEP_W4_BLOCKS, dropout=0.0)
+    raise ValueError(f"unknown workload {name!r}; choose from {list(WORKLOADS)}")
 
 
-def _pairs(p: dict[str, torch.Tensor], dt: float
-           ) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]]:
-    """kernel name -> (kernel call, twin call) on problem p."""
-    u, W, b, g = p["u"], p["W"], p["b"], p["g"]
-    return {"dense_step": (lambda: kernels.dense_step(u, W, b, dt),
-                           lambda: kernels.dense_step_reference(u, W, b, dt)),
-            "dense_step_vjp": (lambda: kernels.dense_step_vjp(u, W, b, g, dt),
-                               lambda: kernels.dense_step_vjp_reference(u, W, b, g, dt))}
+WORKLOADS = ("w2", "w2b", "w1", "w4")
 
 
-def kernels_vs_twins(device: torch.device, records: list[dict[str, Any]]) -> None:
-    failures = []
-    for dtype in TOLERANCE:
-        for B, S, d in CHECK_SHAPES:
-            p = _problem(B, S, d, dtype, device)
-            views = {"contiguous": p, "every second layer": {k: v[::2] for k, v in p.items()}}
-            for layout, q in views.items():
-                for name, (kernel, twin) in _pairs(q, 0.25).items():
-                    err = _relative_error(kernel(), twin())
-                    ok = err <= TOLERANCE[dtype]
-                    records.append({"kernel": name, "dtype": str(dtype), "B": len(q["u"]),
-                                    "S": S, "d": d, "layout": layout,
-                                    "max_relative_error": err, "ok": ok})
-                    print(f"  {name:>15} {str(dtype):>13} B={len(q['u']):<4} S={S:<3} d={d:<4}"
-                          f" {layout:>18}: max relative error {err:.2e}"
-                          f"{'' if ok else f'  > {TOLERANCE[dtype]:.0e} FAILED'}")
-                    if not ok:
-                        failures.append(records[-1])
-    if failures:
-        raise AssertionError(f"{len(failures)} kernel results exceed the tolerance: {failures}")
+@dataclass
+class Batch:
+    """The workload's batch on the device, the same for every method."""
+
+    work: TrainingWorkload
+    device: torch.device
+    x: Tensor
+    y: Tensor
 
 
-def kernel_timing(device: torch.device, repeats: int, records: list[dict[str, Any]]) -> None:
-    for dtype in TOLERANCE:
-        for B, S, d in TIMING_SHAPES:
-            for name, (kernel, twin) in _pairs(_problem(B, S, d, dtype, device), 0.25).items():
-                k = median_seconds(kernel, repeats, torch.cuda.synchronize, KERNEL_CALLS)
-                t = median_seconds(twin, repeats, torch.cuda.synchronize, KERNEL_CALLS)
-                records.append({"kernel": name, "dtype": str(dtype), "B": B, "S": S, "d": d,
-                                "kernel_us": k * 1e6, "twin_us": t * 1e6, "speedup": t / k})
-                print(f"  {name:>15} {str(dtype):>13} B={B} S={S:<3} d={d}: kernel "
-                      f"{k * 1e6:8.1f} us, twin {t * 1e6:8.1f} us, speedup {t / k:5.2f}")
+# Methods ---------------------------------------------------------------------------------
+
+class NotAvailable(Exception):
+    """A method that cannot run here (it needs CUDA, or a part of mgrit that is not there
+    yet): recorded with its reason, not as a failure."""
 
 
-# Correctness: executors against the loop executor, levels=1 against serial PyTorch --------
+@dataclass
+class Timed:
+    """What a method times: `forward()` returns the no-grad output, `train_step()` makes one
+    whole step; either may be None (not timed). `optimizer`: whose state a reset clears."""
 
-EXECUTORS = {"loop": {"execution": "loop"}, "batched": {"execution": "batched"},
-             "streams": {"execution": "streams"},
-             "cuda graphs": {"execution": "batched", "cuda_graphs": True}}
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def _results(model: nn.Module, work: TrainingWorkload, device: torch.device,
-             dtype: torch.dtype) -> list[Tensor]:
-    """A no-grad forward's output, then a training step's output and every parameter's
-    gradient (in the order of `model.parameters()`), from the model's current weights."""
-    model = model.to(device=device, dtype=dtype)
-    x, y = work.inputs(torch.Generator().manual_seed(1))
-    x = x.to(device=device, dtype=dtype)
-    with torch.no_grad():
-        evaluated = model(x)
-    out = model(x)
-    work.loss(out, y.to(device)).backward()
-    return [evaluated, out.detach()] + [p.grad for p in model.parameters()]
+    forward: Callable[[], Tensor] | None
+    train_step: Callable[[], object] | None
+    optimizer: torch.optim.Optimizer | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
-def _layer_parallel(work: TrainingWorkload, device: torch.device, dtype: torch.dtype
-                    ) -> list[Tensor]:
-    return _results(build(work)[0], work, device, dtype)
+@dataclass(frozen=True)
+class Method:
+    """A way to run a workload: `network` builds the model it runs (from the workload's
+    seed, so every method starts from the same weights), `prepare` makes its timed calls
+    (warm-ups, captures). `exact`: it computes serial autograd's step (to round-off)."""
+
+    name: str
+    network: Callable[[TrainingWorkload], nn.Module]
+    prepare: Callable[[nn.Module, Batch], Timed]
+    exact: bool
+    cuda_only: bool = False
+    only: tuple[str, ...] = ()        # the workloads it is timed on (empty: all)
 
 
-def _serial(work: TrainingWorkload, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
-    """Serial PyTorch's results in the layer-parallel model's order: its stacked layer
-    gradients are the serial layers' gradients, stacked."""
-    model, serial = build(work)
-    got = _results(serial, work, device, dtype)
-    outputs, grads = got[:2], dict(zip([n for n, _ in serial.named_parameters()], got[2:]))
-    steps = range(1, len(serial) - 1)
-    ordered = []
-    for name, _ in model.named_parameters():
-        if name.startswith("layers.params."):
-            key = next(n for n in model.layers.names
-                       if n.replace(".", "__") == name.removeprefix("layers.params."))
-            ordered.append(torch.stack([grads[f"{n}.f.{key}"] for n in steps]))
-        else:
-            part, rest = name.split(".", 1)
-            index = {"opening": 0, "closing": len(serial) - 1}[part]
-            ordered.append(grads[f"{index}.{rest}"])
-    return outputs + ordered
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _relative_error(actual: Tensor, expected: Tensor) -> float:
-    scale = expected.abs().max()
-    diff = (actual - expected).abs().max()
-    return float(diff / scale) if scale > 0 else float(diff)
+def capturable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer with its state on the device (Adam's step counts), as a CUDA graph
+    needs; before its first step, so that the state is made there."""
+    if "capturable" in optimizer.defaults:
+        for group in optimizer.param_groups:
+            group["capturable"] = True
+    return optimizer
 
 
-def _compare(records: list[dict[str, Any]], failures: list[dict[str, Any]], what: dict,
-             got: list[Tensor], twin: list[Tensor], tolerance: float) -> None:
-    if len(got) != len(twin):
-        raise AssertionError(f"{what}: {len(got)} results against {len(twin)} of the twin")
-    names = ["forward output", "training output"] + [f"gradient {k}" for k in
-                                                      range(len(got) - 2)]
-    errors = [_relative_error(a, b) for a, b in zip(got, twin)]
-    worst = max(range(len(errors)), key=errors.__getitem__)
-    ok = errors[worst] <= tolerance and all(e == e for e in errors)   # NaN never passes
-    rec = {**what, "forward_error": errors[0], "train_output_error": errors[1],
-           "gradient_error": max(errors[2:]), "worst": names[worst], "ok": ok}
-    records.append(rec)
-    print(f"  {what['workload']:>4} {what['method']:>24} {what['dtype']:>13}: forward "
-          f"{errors[0]:.1e}, step output {errors[1]:.1e}, gradients {max(errors[2:]):.1e}"
-          f"{'' if ok else f'  > {tolerance:.0e} FAILED ({names[worst]})'}", flush=True)
-    if not ok:
-        failures.append(rec)
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+          x: Tensor, y: Tensor) -> None:
+    """One training step without zeroing the gradients (a captured step makes them)."""
+    batch.work.loss(model(x), y).backward()
+    optimizer.step()
 
 
-def executors(device: torch.device, records: list[dict[str, Any]],
-              workloads: tuple[str, ...] = ("w2", "w2b")) -> None:
-    failures: list[dict[str, Any]] = []
-    for name in workloads:
-        work = TRAINING_WORKLOADS[name]()
-        for dtype, tolerance in EXECUTOR_TOLERANCE.items():
-            what = {"workload": name, "dtype": str(dtype)}
-            twin = _layer_parallel(work.with_solver(**EXECUTORS["loop"]), device, dtype)
-            pairs: dict[str, tuple[Callable[[], list[Tensor]], Callable[[], list[Tensor]]]] = {
-                f"{execution} vs loop": (
-                    lambda options=options: _layer_parallel(work.with_solver(**options),
-                                                            device, dtype),
-                    lambda: twin)
-                for execution, options in EXECUTORS.items() if execution != "loop"}
-            pairs["levels=1 vs serial pytorch"] = (
-                lambda: _layer_parallel(sequential_variant(work), device, dtype),
-                lambda: _serial(work, device, dtype))
-            for method, (got, expected) in pairs.items():
-                try:
-                    _compare(records, failures, {**what, "method": method}, got(), expected(),
-                             tolerance)
-                except Exception:
-                    # a variant that cannot run fails alone; the others are still compared
-                    failures.append({**what, "method": method, "error": traceback.format_exc()})
-                    print(failures[-1]["error"], file=sys.stderr, flush=True)
-    if failures:
-        raise AssertionError(f"{len(failures)} results differ from their twins' or failed: "
-                             f"{failures}")
+def eager(model: nn.Module, batch: Batch) -> Timed:
+    """The model run as written, one launch per operation."""
+    optimizer = batch.work.optimizer(model.parameters())
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        _step(model, optimizer, batch, batch.x, batch.y)
+
+    def forward() -> Tensor:
+        with torch.no_grad():
+            return model(batch.x)
+    return Timed(forward, train_step, optimizer)
 
 
-# Two MPI ranks on one GPU ----------------------------------------------------------------
+def one_graph(model: nn.Module, batch: Batch) -> Timed:
+    """The whole training step (forward, loss, backward, optimizer update with a capturable
+    optimizer) captured as one CUDA graph, and the no-grad forward as another, as a careful
+    user of a launch-bound network runs them: warmed up on a side stream, gradients made in
+    the graph's memory, inputs copied into static buffers before each replay."""
+    optimizer = capturable(batch.work.optimizer(model.parameters()))
+    x, y = batch.x.clone(), batch.y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            _step(model, optimizer, batch, x, y)
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    step_graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(step_graph):
+        _step(model, optimizer, batch, x, y)
+    forward_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward_graph), torch.no_grad():
+        out = model(x)
 
-def two_ranks(device: torch.device, records: list[dict[str, Any]]) -> None:
-    from mgrit.app import launch
+    def train_step() -> None:
+        x.copy_(batch.x)
+        y.copy_(batch.y)
+        step_graph.replay()
 
-    script = str(Path(__file__).resolve())
-    done = launch.run(2, [script, "--two-ranks-worker", "--device", device.type], timeout=80)
-    done.check()
-    reported = done.reports[0]
-    records += reported["records"]
-    for rec in reported["records"]:
-        print(f"  {rec['workload']:>4} {rec['dtype']:>13} {rec['messages']:>10}: output "
-              f"{rec['output_error']:.1e}, gradients {rec['gradient_error']:.1e}, residual "
-              f"histories {rec['residual_error']:.1e}{'' if rec['ok'] else '  FAILED'}",
-              flush=True)
-    failed = [r for r in reported["records"] if not r["ok"]]
-    if failed:
-        raise AssertionError(f"2 ranks differ from 1 rank: {failed}")
-
-
-def _history_error(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """Largest relative difference between two residual histories (inf if their lengths
-    differ)."""
-    ra, rb = a["residuals"], b["residuals"]
-    if len(ra) != len(rb):
-        return float("inf")
-    return max((abs(x - y) / max(abs(y), 1e-300) for x, y in zip(ra, rb)), default=0.0)
-
-
-def two_ranks_worker(device: torch.device) -> None:
-    """Under `mpiexec -n 2`: every rank runs the workload on its own (1 rank) and across
-    both ranks, on the same GPU, and compares what it holds; rank 0 reports."""
-    from mpi4py import MPI
-
-    from mgrit.app import launch
-
-    world = MPI.COMM_WORLD
-    aware = bool(getattr(MPI, "Query_cuda_support", lambda: False)())
-    kinds = ["staged"] + (["cuda-aware"] if aware and device.type == "cuda" else [])
-    mine = []
-    for messages in kinds:
-        os.environ["MGRIT_CUDA_AWARE_MPI"] = "1" if messages == "cuda-aware" else "0"
-        for name in ("w2", "w2b"):
-            work = TRAINING_WORKLOADS[name]()
-            for dtype, tolerance in EXECUTOR_TOLERANCE.items():
-                one, _ = build(work)
-                both, _ = build(work, comm=world)
-                out = {}
-                for label, model in (("one", one), ("both", both)):
-                    model.to(device=device, dtype=dtype)
-                    x, y = work.inputs(torch.Generator().manual_seed(1))
-                    output = model(x.to(device=device, dtype=dtype))
-                    work.loss(output, y.to(device)).backward()
-                    out[label] = output.detach()
-                lo, hi = both.layer_range
-                pairs = [(p.grad, one.layers.params[k].grad[lo:hi + 1])
-                         for k, p in both.layers.params.items()]
-                for part in ("opening", "closing"):
-                    pairs += [(a.grad, b.grad) for a, b in
-                              zip(getattr(both, part).parameters(),
-                                  getattr(one, part).parameters())]
-                rec = {"workload": name, "dtype": str(dtype), "messages": messages,
-                       "rank": world.rank, "layers": [lo, hi],
-                       "output_error": _relative_error(out["both"], out["one"]),
-                       "gradient_error": max(_relative_error(a, b) for a, b in pairs),
-                       "residual_error": max(_history_error(both.stats[k], one.stats[k])
-                                             for k in ("forward", "backward")),
-                       "device": str(out["both"].device)}
-                errors = (rec["output_error"], rec["gradient_error"], rec["residual_error"])
-                rec["ok"] = all(e <= tolerance for e in errors)   # NaN never passes
-                mine.append(rec)
-    gathered = world.gather(mine, root=0)
-    if world.rank == 0:
-        merged = []
-        for k, rec in enumerate(gathered[0]):
-            ranks = [g[k] for g in gathered]
-            merged.append({**rec, "rank": "max over ranks",
-                           "output_error": max(r["output_error"] for r in ranks),
-                           "gradient_error": max(r["gradient_error"] for r in ranks),
-                           "residual_error": max(r["residual_error"] for r in ranks),
-                           "layers": [r["layers"] for r in ranks],
-                           "ok": all(r["ok"] for r in ranks)})
-        launch.report({"records": merged, "mpi": MPI.Get_library_version().strip(),
-                       "cuda_aware": aware})
+    def forward() -> Tensor:
+        x.copy_(batch.x)
+        forward_graph.replay()
+        return out
+    return Timed(forward, train_step, optimizer)
 
 
-# Speed -------------------------------------------------------------------------------------
+def compiled(model: nn.Module, batch: Batch) -> Timed:
+    """torch.compile(mode="reduce-overhead") of the whole network (on the CPU dry run the
+    "aot_eager" backend: the same tracing without code generation), the optimizer eager.
+    Compiling happens in the first call of each, which the record keeps as its first-call
+    time."""
+    on_cuda = batch.device.type == "cuda"
+    net = torch.compile(model, mode="reduce-overhead") if on_cuda else torch.compile(
+        model, backend="aot_eager")
+    optimizer = batch.work.optimizer(model.parameters())
+    # each call is one step of the compiled graphs' replays: outputs of the last are free
+    begin = torch.compiler.cudagraph_mark_step_begin if on_cuda else (lambda: None)
 
-def _event_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of one call, timed with CUDA events on an idle queue, after two
+    def train_step() -> None:
+        begin()
+        optimizer.zero_grad(set_to_none=True)
+        _step(net, optimizer, batch, batch.x, batch.y)
+
+    def forward() -> Tensor:
+        begin()
+        with torch.no_grad():
+            return net(batch.x)
+    return Timed(forward, train_step, optimizer,
+                 {"compile": "mode=reduce-overhead" if on_cuda else "backend=aot_eager"})
+
+
+# The captured MGRIT training step: where mgrit provides it, and what it is called with.
+CAPTURED_STEP = ("mgrit.nn.capture", "captured_train_step")
+
+
+def mgrit_captured_step(model: nn.Module, batch: Batch) -> Timed:
+    """HOOK: MGRIT's whole training step (fixed cycle counts, forward and adjoint solves,
+    parameter gradients and the optimizer update) captured as CUDA graphs and replayed.
+    Expected as `CAPTURED_STEP`, called `(model, optimizer, loss, x, y)` and returning the
+    callable of one replayed step that reads the batch from x and y; until mgrit has it,
+    the method is recorded as not available."""
+    module, name = CAPTURED_STEP
+    try:
+        make = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise NotAvailable(f"mgrit has no captured training step yet ({module}.{name}: "
+                           f"{err})") from None
+    optimizer = capturable(batch.work.optimizer(model.parameters()))
+    return Timed(None, make(model, optimizer, batch.work.loss, batch.x, batch.y), optimizer)
+
+
+def serial_network(work: TrainingWorkload) -> nn.Module:
+    return build(work)[1]
+
+
+def mgrit_network(**options: Any) -> Callable[[TrainingWorkload], nn.Module]:
+    """The layer-parallel model with `options` in both its solvers' settings."""
+    return lambda work: build(work.with_solver(**options))[0]
+
+
+def one_level_network(work: TrainingWorkload) -> nn.Module:
+    return build(sequential_variant(work))[0]
+
+
+# the baseline first, then in the order of the table; "serial pytorch, cuda graph" and the
+# mgrit names are those of docs/results/gpu-h200.json
+METHODS = [
+    Method("serial pytorch, cuda graph", serial_network, one_graph, exact=True,
+           cuda_only=True),
+    Method("serial pytorch", serial_network, eager, exact=True),
+    Method("mgrit levels=1", one_level_network, eager, exact=True),
+    Method("mgrit batched", mgrit_network(execution="batched"), eager, exact=False),
+    Method("mgrit cuda graphs", mgrit_network(execution="batched", cuda_graphs=True), eager,
+           exact=False),
+    Method("mgrit captured step", mgrit_network(execution="batched", cuda_graphs=True),
+           mgrit_captured_step, exact=False),
+    # 30-50x slower than batched on the H200: measured once more, on W2 only
+    Method("mgrit streams", mgrit_network(execution="streams"), eager, exact=False,
+           only=("w2",)),
+]
+COMPILED = Method("torch.compile reduce-overhead", serial_network, compiled, exact=True)
+ALL_METHODS = METHODS + [COMPILED]
+
+
+# Checks and timing ----------------------------------------------------------------------
+
+def _flat(tensors: Any) -> Tensor:
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+
+
+def serial_parameters(model: nn.Module) -> Tensor:
+    """The model's parameters in the plain network's order (a layer-parallel model's
+    through its export)."""
+    to_serial = getattr(model, "to_serial", None)
+    return _flat((to_serial() if to_serial is not None else model).parameters())
+
+
+@dataclass
+class Reference:
+    """Serial eager PyTorch from the common initial weights: its no-grad output, and its
+    parameters before and after one training step."""
+
+    output: Tensor
+    before: Tensor
+    after: Tensor
+
+
+def reference(batch: Batch) -> Reference:
+    model = serial_network(batch.work).to(batch.device)
+    timed = eager(model, batch)
+    output = timed.forward().detach().double().cpu()
+    before = serial_parameters(model)
+    timed.train_step()
+    return Reference(output, before, serial_parameters(model))
+
+
+class Reset:
+    """Puts a model back to its initial weights and its optimizer to a fresh state, in
+    place (captured graphs keep reading the same memory): a zeroed momentum or moment
+    gives the same first step as none."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.initial = [p.detach().clone() for p in model.parameters()]
+
+    def __call__(self, optimizer: torch.optim.Optimizer | None) -> None:
+        with torch.no_grad():
+            for p, p0 in zip(self.model.parameters(), self.initial):
+                p.copy_(p0)
+            for state in (optimizer.state.values() if optimizer is not None else ()):
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        value.zero_()
+
+
+def _relative(a: Tensor, b: Tensor) -> float:
+    return float((a.double().cpu() - b).norm() / b.norm())
+
+
+def event_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one call, timed with CUDA events on an idle queue after two
     untimed calls (storage, graphs, library handles)."""
     for _ in range(2):
         fn()
@@ -344,270 +357,304 @@ def launches(fn: Callable[[], object]) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    host: collections.Counter[str] = collections.Counter()
+    host: dict[str, int] = {}
     device_ops = 0
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             device_ops += 1
         elif event.name in LAUNCH_CALLS:
-            host[event.name] += 1
-    return {"host_launches": sum(host.values()), "device_ops": device_ops,
-            "by_call": dict(host)}
+            host[event.name] = host.get(event.name, 0) + 1
+    return {"host_launches": sum(host.values()), "device_ops": device_ops, "by_call": host}
 
 
-def graphed_step(network: nn.Module, work: TrainingWorkload, x: Tensor, y: Tensor
-                 ) -> Callable[[], None]:
-    """The serial training step (forward, loss, backward, optimizer step) captured whole as
-    one CUDA graph, as a careful user of a launch-bound network would: warmed up on a side
-    stream, gradients allocated in the graph's pool, inputs in static buffers."""
-    optimizer = work.optimizer(network.parameters())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            work.loss(network(x), y).backward()
-            optimizer.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        work.loss(network(x), y).backward()
-        optimizer.step()
-    return graph.replay
-
-
-def graphed_forward(network: nn.Module, x: Tensor) -> Callable[[], None]:
-    """The serial no-grad forward captured as one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            network(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        network(x)
-    return graph.replay
-
-
-def _methods(work: TrainingWorkload, device: torch.device, x: Tensor, y: Tensor
-             ) -> dict[str, Callable[[], dict[str, Callable[[], None]]]]:
-    """method -> a builder of its {"forward": fn, "train_step": fn} (built when timed, so
-    that only one method's model is on the device at a time)."""
-    def serial() -> dict[str, Callable[[], None]]:
-        network = build(work)[1].to(device)
-        return {"forward": forward_fn(network, x),
-                "train_step": train_step_fn(network, work, x, y)}
-
-    def serial_graphs() -> dict[str, Callable[[], None]]:
-        network = build(work)[1].to(device)
-        return {"forward": graphed_forward(network, x),
-                "train_step": graphed_step(network, work, x, y)}
-
-    def mgrit(variant: TrainingWorkload) -> Callable[[], dict[str, Callable[[], None]]]:
-        def make() -> dict[str, Callable[[], None]]:
-            model = build(variant)[0].to(device)
-            return {"forward": forward_fn(model, x),
-                    "train_step": train_step_fn(model, variant, x, y)}
-        return make
-
-    methods = {"serial pytorch": serial}
-    if device.type == "cuda":
-        methods["serial pytorch, cuda graph"] = serial_graphs
-    methods["mgrit levels=1"] = mgrit(sequential_variant(work))
-    for execution, options in EXECUTORS.items():
-        if execution != "loop" and (device.type == "cuda" or not options.get("cuda_graphs")):
-            methods[f"mgrit {execution}"] = mgrit(work.with_solver(**options))
-    return methods
-
-
-def speed(device: torch.device, repeats: int, records: list[dict[str, Any]],
-          workloads: tuple[str, ...] = ("w2", "w2b", "w1")) -> None:
-    failures = []
-    for name in workloads:
-        work = TRAINING_WORKLOADS[name]()
-        print(f"  {name}: {work.description}", flush=True)
-        x, y = (t.to(device) for t in work.inputs(torch.Generator().manual_seed(1)))
-        plain: dict[str, float] = {}
-        for method, make in _methods(work, device, x, y).items():
+def measure(method: Method, name: str, batch: Batch, ref: Reference, repeats: int,
+            record: Callable[[dict[str, Any]], None]) -> None:
+    """Build, check and time one method on one workload; each metric's record goes to
+    `record` as soon as it is measured."""
+    base = {"workload": name, "method": method.name}
+    if method.cuda_only and batch.device.type != "cuda":
+        raise NotAvailable("needs a CUDA device")
+    model = method.network(batch.work).to(batch.device)
+    reset = Reset(model)
+    timed = method.prepare(model, batch)
+    on_cuda = batch.device.type == "cuda"
+    for metric in METRICS:
+        fn = getattr(timed, metric)
+        if fn is None:
+            record({**base, "metric": metric, "status": "not available",
+                    "reason": f"the method gives no {metric.replace('_', ' ')}"})
+            continue
+        reset(timed.optimizer)
+        start = time.perf_counter()
+        out = fn()
+        _sync(batch.device)
+        first = time.perf_counter() - start
+        if metric == "forward":
+            error = _relative(out, ref.output)
+        else:
+            error = float((serial_parameters(model) - ref.after).norm()
+                          / (ref.after - ref.before).norm())
+        # a slow call (the stream executor, eager deep networks) gets fewer repeats
+        n = repeats if first < 0.25 or repeats <= 3 else 3
+        seconds = (event_seconds(fn, n) if on_cuda else median_seconds(fn, n))
+        rec = {**base, "metric": metric, "status": "measured", "seconds": seconds,
+               "repeats": n, "first_call_seconds": first, "exact": method.exact,
+               ("forward_error" if metric == "forward" else "update_error"): error,
+               **timed.notes}
+        if on_cuda:
             try:
-                fns = make()
-                for metric, fn in fns.items():
-                    seconds = (_event_seconds(fn, repeats) if device.type == "cuda" else
-                               median_seconds(fn, repeats))
-                    plain.setdefault(metric, seconds)
-                    rec = {"workload": name, "method": method, "metric": metric,
-                           "seconds": seconds, "ratio_to_serial": seconds / plain[metric]}
-                    if device.type == "cuda":
-                        try:
-                            rec.update(launches(fn))
-                        except Exception as exc:   # the time is kept without the count
-                            rec["launches_error"] = repr(exc)
-                    records.append(rec)
-                    print(f"  {metric:>10} {method:>26}: {seconds * 1e3:9.3f} ms "
-                          f"({rec['ratio_to_serial']:.3f} x serial)"
-                          + (f", {rec['host_launches']} launches, {rec['device_ops']} GPU ops"
-                             if "host_launches" in rec else ""), flush=True)
-            except Exception:
-                # one method that cannot run (a capture torch refuses) loses only its row
-                failures.append(f"{name} {method}: {traceback.format_exc()}")
-                print(failures[-1], file=sys.stderr, flush=True)
-            finally:
-                torch.cuda.empty_cache() if device.type == "cuda" else None
-    if failures:
-        raise AssertionError(f"{len(failures)} methods failed:\n" + "\n".join(failures))
+                rec.update(launches(fn))
+            except Exception as exc:   # the time is kept without the count
+                rec.update(host_launches=None, device_ops=None, launches_error=repr(exc))
+        record(rec)
+        print(f"  {name:>4} {metric:>10} {method.name:>30}: {seconds * 1e3:10.3f} ms"
+              f" (first call {first:.2f} s, {'output' if metric == 'forward' else 'update'}"
+              f" vs serial {error:.1e})", flush=True)
 
 
-# Report --------------------------------------------------------------------------------------
+# The report ------------------------------------------------------------------------------
 
-def _environment(device: torch.device) -> dict[str, Any]:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "torch_cuda": torch.version.cuda, "mgrit": mgrit.__file__, "device": str(device),
-           "cpus": os.cpu_count(), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["capability"] = list(torch.cuda.get_device_capability(device))
-    try:
-        import mpi4py
-        from mpi4py import MPI
-
-        env["mpi4py"] = f"{mpi4py.__version__} ({mpi4py.__file__})"
-        env["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-    except Exception as exc:   # reported, not fatal: two_ranks says what it needs
-        env["mpi"] = f"not usable: {exc}"
-    from mgrit.app.launch import find_mpiexec
-
-    env["mpiexec"] = find_mpiexec()
-    return env
+def slug(device_name: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `h100-80gb-hbm3`: the results file's name part."""
+    words = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-").split("-")
+    return "-".join(w for w in words if w != "nvidia") or "gpu"
 
 
-def _table(results: dict[str, Any]) -> str:
-    lines = [f"environment: {json.dumps(results['environment'])}", "",
-             "| section | case | value |", "|---|---|---|"]
-    checks = results.get("kernels_vs_twins", [])
-    if checks:
-        worst = {dt: max(r["max_relative_error"] for r in checks if r["dtype"] == dt)
-                 for dt in {r["dtype"] for r in checks}}
-        for dt, err in sorted(worst.items()):
-            lines.append(f"| kernels vs twins | worst {dt} | {err:.2e} |")
-    for rec in results.get("executors", []):
-        lines.append(f"| executors {rec['workload']} {rec['dtype']} | {rec['method']} | "
-                     f"forward {rec['forward_error']:.1e}, step output "
-                     f"{rec['train_output_error']:.1e}, gradients {rec['gradient_error']:.1e}"
-                     f"{'' if rec['ok'] else ' FAILED'} |")
-    for rec in results.get("two_ranks", []):
-        lines.append(f"| 2 ranks vs 1, {rec['workload']} {rec['dtype']} | {rec['messages']} "
-                     f"messages | output {rec['output_error']:.1e}, gradients "
-                     f"{rec['gradient_error']:.1e}, residuals {rec['residual_error']:.1e}"
-                     f"{'' if rec['ok'] else ' FAILED'} |")
-    for rec in results.get("speed", []):
-        counts = (f", {rec['host_launches']} launches, {rec['device_ops']} GPU ops"
-                  if "host_launches" in rec else "")
-        lines.append(f"| {rec['workload']} {rec['metric']} | {rec['method']} | "
-                     f"{rec['seconds'] * 1e3:.3f} ms ({rec['ratio_to_serial']:.3f}x serial)"
-                     f"{counts} |")
-    for rec in results.get("kernel_timing", []):
-        lines.append(f"| kernel timing | {rec['kernel']} {rec['dtype']} B={rec['B']} "
-                     f"S={rec['S']} d={rec['d']} | kernel {rec['kernel_us']:.1f} us, twin "
-                     f"{rec['twin_us']:.1f} us ({rec['speedup']:.2f}x) |")
-    for section, error in results["failures"].items():
-        lines.append(f"| {section} | FAILED | {error.strip().splitlines()[-1]} |")
+class Report:
+    """DIR/gpu-<device>.json and .md: rewritten whole (written, then renamed) after every
+    record, so a run cut off keeps what it measured."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text())
+
+    def save(self, data: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(self.path)
+        self.path.with_suffix(".md").write_text(table(data))
+
+    def add(self, rec: dict[str, Any]) -> None:
+        data = self.load()
+        data["speed" if rec["status"] == "measured" else "unmeasured"].append(rec)
+        self.save(data)
+
+
+def _recorded(data: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(r["workload"], r["method"], r["metric"])
+            for r in data["speed"] + data["unmeasured"]}
+
+
+def table(data: dict[str, Any]) -> str:
+    """The markdown table: per workload and metric, the methods in `ALL_METHODS` order,
+    each time against the first measured one (the strongest baseline) and serial eager."""
+    env = data["environment"]
+    lines = [f"# mgrit on {env.get('gpu', env['device'])}", "",
+             f"torch {env['torch']}, CUDA {env['torch_cuda']}, Python {env['python']}; "
+             f"median of {data['settings']['repeats']} runs (at most 3 for calls over 0.25 s), "
+             f"{'CUDA events' if env['device'] == 'cuda' else 'CPU timers (dry run)'}.", "",
+             "| workload | metric | method | time | vs first | vs eager | vs serial step "
+             "| first call | launches | GPU ops |", "|---|---|---|---|---|---|---|---|---|---|"]
+    order = {m.name: k for k, m in enumerate(ALL_METHODS)}
+    for name in data["workloads"]:
+        for metric in METRICS:
+            rows = sorted((r for r in data["speed"] + data["unmeasured"]
+                           if r["workload"] == name and r["metric"] == metric),
+                          key=lambda r: order.get(r["method"], len(order)))
+            measured = [r for r in rows if r["status"] == "measured"]
+            first = measured[0]["seconds"] if measured else None
+            eager_s = next((r["seconds"] for r in measured if r["method"] == "serial pytorch"),
+                           None)
+            for k, r in enumerate(rows):
+                label = [name if k == 0 else "", metric.replace("_", " ") if k == 0 else "",
+                         r["method"]]
+                if r["status"] != "measured":
+                    reason = str(r.get("reason", "")).strip().splitlines()
+                    lines.append("| " + " | ".join(label + [
+                        f"{r['status']}: {reason[-1][:120] if reason else ''}"] + [""] * 6)
+                        + " |")
+                    continue
+                error = r.get("forward_error", r.get("update_error"))
+                lines.append("| " + " | ".join(label + [
+                    f"{r['seconds'] * 1e3:.3f} ms", f"{r['seconds'] / first:.2f}",
+                    f"{r['seconds'] / eager_s:.3f}" if eager_s else "-",
+                    f"{error:.1e}", f"{r['first_call_seconds']:.1f} s",
+                    str(r.get("host_launches", "-")), str(r.get("device_ops", "-"))]) + " |")
+    lines += ["", "vs first: time over the first measured method's (serial PyTorch in one "
+              "CUDA graph on a GPU); vs serial step: relative difference of the first output "
+              "(forward) or of the first update (training step) from serial eager PyTorch's, "
+              "from the same weights (exact methods: round-off)."]
     return "\n".join(lines) + "\n"
 
 
-def run_section(section: str, device: torch.device, repeats: int) -> dict[str, Any]:
-    """Records of one section, and its traceback if it failed (the records up to there)."""
-    sections: dict[str, Callable[[list[dict[str, Any]]], None]] = {
-        "kernels_vs_twins": lambda records: kernels_vs_twins(device, records),
-        "kernel_timing": lambda records: kernel_timing(device, repeats, records),
-        "executors": lambda records: executors(device, records),
-        "two_ranks": lambda records: two_ranks(device, records),
-        "speed": lambda records: speed(device, repeats, records)}
-    records: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    try:
-        sections[section](records)
-        failure = None
-    except Exception:
-        failure = traceback.format_exc()
-        print(failure, file=sys.stderr, flush=True)
-    return {"records": records, "failure": failure, "seconds": time.perf_counter() - start}
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "torch_cuda": torch.version.cuda, "device": device.type, "cpus": os.cpu_count(),
+           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+    return env
 
 
-def _run_isolated(section: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One section in a process of its own, under its time limit: a kernel fault that
-    poisons the CUDA context, or a hang, takes nothing else with it."""
-    part_file = work / f"section-{section}.json"
-    limit = SECTIONS[section][0] * args.time_scale
-    command = [sys.executable, __file__, "--section", section, "--work", str(work),
-               "--repeats", str(args.repeats), "--device", args.device]
-    try:
-        proc = subprocess.run(command, timeout=limit)
-        status = f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"no end within its limit of {limit:.0f} s (killed)"
-    if part_file.exists():
-        return json.loads(part_file.read_text())
-    return {"records": [], "seconds": limit,
-            "failure": f"the section's process wrote no results: {status}"}
+# Jobs: one process per workload's methods, one per workload's compile --------------------
+
+def run_job(kind: str, name: str, args: argparse.Namespace) -> int:
+    """In a child process: every method of `kind` ("methods" or "compile") on workload
+    `name`, each recorded in the report as soon as it is measured or fails."""
+    device = torch.device(args.device)
+    report = Report(args.report)
+    small = device.type == "cpu"
+    if small:   # the dry run's figures mean nothing; one thread keeps it quick when shared
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    work = workload(name, small)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    batch = Batch(work, device, x.to(device), y.to(device))
+    ref = reference(batch)
+    methods = [COMPILED] if kind == "compile" else [
+        m for m in METHODS if not m.only or name in m.only]
+    failed = 0
+    for method in methods:
+        try:
+            measure(method, name, batch, ref, args.repeats, report.add)
+        except NotAvailable as why:
+            for metric in METRICS:
+                report.add({"workload": name, "method": method.name, "metric": metric,
+                            "status": "not available", "reason": str(why)})
+        except Exception:
+            failed += 1
+            text = traceback.format_exc()
+            print(text, file=sys.stderr, flush=True)
+            done = _recorded(report.load())
+            for metric in METRICS:
+                if (name, method.name, metric) not in done:
+                    report.add({"workload": name, "method": method.name, "metric": metric,
+                                "status": "failed", "reason": text})
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+def jobs(args: argparse.Namespace) -> list[tuple[str, str, list[Method]]]:
+    """(kind, workload, its methods) in the order they run: all methods of every workload,
+    then the compiles, cheapest first."""
+    out = [("methods", w, [m for m in METHODS if not m.only or w in m.only])
+           for w in args.workloads]
+    out += [("compile", w, [COMPILED]) for w in args.compile]
+    return out
+
+
+def _mark(report: Report, name: str, methods: list[Method], status: str, reason: str) -> None:
+    """Record whatever of `methods` on `name` a job left unrecorded."""
+    data = report.load()
+    done = _recorded(data)
+    for method in methods:
+        for metric in METRICS:
+            if (name, method.name, metric) not in done:
+                data["unmeasured"].append({"workload": name, "method": method.name,
+                                           "metric": metric, "status": status,
+                                           "reason": reason})
+    report.save(data)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu: a dry run of the script without a GPU")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="the sections to run, in this order (default: all)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="multiplies every section's time limit")
-    parser.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
-    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--two-ranks-worker", action="store_true", help=argparse.SUPPRESS)
+                        help="cpu: the dry run (small workloads, CPU timers)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--compile", default=None,
+                        help="the workloads torch.compile is timed on, in this order, last "
+                             "(default w1,w2,w2b,w4; on the CPU w2)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per metric (default 5 on a GPU, 1 on the CPU)")
+    parser.add_argument("--budget", type=float, default=230.0,
+                        help="seconds for the whole run: no job starts past it")
+    parser.add_argument("--job-limit", type=float, default=120.0,
+                        help="seconds one workload's methods may take")
+    parser.add_argument("--compile-limit", type=float, default=90.0,
+                        help="seconds one workload's torch.compile run may take")
+    parser.add_argument("--job", help=argparse.SUPPRESS)        # KIND:WORKLOAD, in a child
+    parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    chosen = [s for s in args.sections.split(",") if s]
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if args.compile is None:
+        args.compile = "w1,w2,w2b,w4" if args.device == "cuda" else "w2"
+    for option in ("workloads", "compile"):
+        names = [w for w in getattr(args, option).split(",") if w]
+        unknown = [w for w in names if w not in WORKLOADS]
+        if unknown:
+            parser.error(f"--{option}: unknown workload(s) {unknown}; choose from "
+                         f"{list(WORKLOADS)}")
+        setattr(args, option, names)
+    if args.repeats is None:
+        args.repeats = 5 if args.device == "cuda" else 1
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: torch {torch.__version__} sees no CUDA device (CUDA build: "
               f"{torch.version.cuda}); run this on a machine with an NVIDIA GPU and a CUDA "
               "build of torch, or pass --device cpu for a dry run", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the twins in true float32
+    # float32 as float32 on every method (the update checks compare against eager's)
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    if args.two_ranks_worker:
-        two_ranks_worker(device)
-        return 0
-    if args.section:
-        part = run_section(args.section, device, args.repeats)
-        (args.work / f"section-{args.section}.json").write_text(
-            json.dumps(part, indent=1, default=str))
-        return 1 if part["failure"] else 0
+    if args.job:
+        kind, name = args.job.split(":")
+        return run_job(kind, name, args)
+    return run_all(args)
 
+
+def run_all(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    env = environment(device)
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"environment": _environment(device), "failures": {},
-                               "seconds": {}}
-    print("environment: " + json.dumps(results["environment"]), flush=True)
-    with tempfile.TemporaryDirectory(prefix="mgrit-gpu-check-") as work:
-        for section in chosen:
-            if SECTIONS[section][1] and device.type != "cuda":
-                continue
-            print(f"{section}:", flush=True)
-            part = _run_isolated(section, args, Path(work))
-            results[section], results["seconds"][section] = part["records"], part["seconds"]
-            if part["failure"]:
-                results["failures"][section] = part["failure"]
-            print(f"{section}: {'FAILED' if part['failure'] else 'passed'} "
-                  f"({part['seconds']:.0f} s)", flush=True)
-            (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    table = _table(results)
-    (args.out / "gpu_check.md").write_text(table)
-    print(table)
-    return 1 if results["failures"] else 0
+    report = Report(args.out / f"gpu-{slug(env.get('gpu', 'cpu'))}.json")
+    small = device.type == "cpu"
+    report.save({"environment": env, "workloads": {
+                     w: workload(w, small).description for w in dict.fromkeys(
+                         args.workloads + args.compile)},
+                 "settings": {"repeats": args.repeats, "budget": args.budget,
+                              "job_limit": args.job_limit, "compile_limit": args.compile_limit,
+                              "small": small, "deep_w4_blocks": DEEP_W4_BLOCKS},
+                 "jobs": [], "speed": [], "unmeasured": []})
+    print("environment: " + json.dumps(env), flush=True)
+    deadline = time.monotonic() + args.budget
+    failed = False
+    for kind, name, methods in jobs(args):
+        left = deadline - time.monotonic()
+        nominal = args.compile_limit if kind == "compile" else args.job_limit
+        limit = min(nominal, left)
+        if left < min(nominal, 10):     # too little to start a process and build a model
+            _mark(report, name, methods, "skipped", f"the run's budget of {args.budget:.0f} s "
+                  "was spent before this job")
+            continue
+        print(f"{kind} {name} (limit {limit:.0f} s):", flush=True)
+        command = [sys.executable, str(Path(__file__).resolve()), "--job", f"{kind}:{name}",
+                   "--report", str(report.path), "--device", args.device,
+                   "--repeats", str(args.repeats)]
+        start = time.monotonic()
+        try:
+            status = subprocess.run(command, timeout=limit).returncode
+            outcome = ("failed", f"the job's process ended with exit status {status} "
+                       "before recording it")
+        except subprocess.TimeoutExpired:
+            status = None
+            outcome = ("timed out", f"not done within the job's limit of {limit:.0f} s")
+        data = report.load()
+        data["jobs"].append({"kind": kind, "workload": name, "exit": status,
+                             "seconds": time.monotonic() - start, "limit": limit})
+        report.save(data)
+        _mark(report, name, methods, *outcome)
+        bad = [r for r in report.load()["unmeasured"] if r["workload"] == name
+               and r["status"] in ("failed", "timed out") and r["method"] != COMPILED.name]
+        failed = failed or bool(bad)
+    print(report.path.with_suffix(".md").read_text(), flush=True)
+    print(f"results: {report.path}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

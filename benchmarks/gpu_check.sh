@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # One-shot check of mgrit on a machine with an NVIDIA GPU and several CPU cores (written for
-# one H200 and 16 cores): the CUDA path's correctness and speed, and real MPI ranks past two
-# against the scaling model. Run it once, from anywhere:
+# one H100 or H200 and 16 cores, to end within about 9 minutes). Run it once, from anywhere:
 #
 #     bash benchmarks/gpu_check.sh                 # results in ./gpu-out
 #     OUT=/some/dir bash benchmarks/gpu_check.sh
 #
-# Steps, each under its own time limit, each run whatever the one before did:
+# Steps, each under its own time limit, each run whatever the one before did; the last
+# gets what is left of TOTAL seconds (default 540):
 #   1. What is there: Python, torch and its CUDA, the GPU, nvcc, mpi4py and its MPI library,
 #      mpiexec (printed first, and into $OUT/environment.txt). Without a usable mpi4py and
 #      mpiexec, MPICH and mpi4py are installed from carried wheels in $WHEELS (default
 #      ./.whl; no package registry is needed) into $MPI_PREFIX (default /tmp/mgrit-mpi);
 #      MPI_FROM_WHEELS=1 installs them in any case.
-#   2. python -m mgrit.kernels.build cuda: $OUT/build.log.
-#   3. benchmarks/gpu_check.py (its docstring lists the sections; SECTIONS=a,b runs only
-#      those; DEVICE=cpu is its dry run without a GPU): $OUT/gpu_check.json after every section, $OUT/gpu_check.md at the end.
-#   4. python -m benchmarks.scaling.ranks at RANKS (default 1,2,4,8,16; never more than the
-#      cores; RANKS= leaves it out): $OUT/ranks.json and $OUT/ranks.log.
-# The output of steps 2-4 is in $OUT/check.log too.
+#   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s).
+#   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 150 s) with
+#      MGRIT_TEST_REQUIRE_GPU=1, so that a GPU test cannot pass by skipping: the CUDA
+#      kernels against their twins, the executors against the loop executor, levels=1
+#      against serial autograd, two ranks sharing the GPU against one; $OUT/pytest.xml.
+#   4. Speed: benchmarks/gpu_check.py (its docstring lists the methods; TIMING_TIMEOUT,
+#      250 s; DEVICE=cpu is its dry run without a GPU): $OUT/gpu-<device>.json after every
+#      method and $OUT/gpu-<device>.md, to be copied to docs/results/.
+#   5. python -m benchmarks.scaling.ranks at RANKS (default 1,2,4,8,16; never more than the
+#      cores; RANKS= leaves it out; at most RANKS_TIMEOUT, 240 s): $OUT/ranks.json, the
+#      measurements first (the predictions after them may be cut off; they can be replayed
+#      from the file elsewhere).
+# Everything printed is in $OUT/check.log too.
 #
 # Exit status: 0 when everything passed; 2 without a usable GPU; otherwise non-zero (a
 # failed step; whatever was measured is still in $OUT).
@@ -74,29 +81,47 @@ if [ "${DEVICE:-cuda}" = cuda ] && command -v nvidia-smi >/dev/null && ! nvidia-
     exit 2
 fi
 
+left() {  # seconds of the TOTAL budget still unspent, at most $1
+    local rest=$(( ${TOTAL:-540} - SECONDS ))
+    [ "$rest" -lt "$1" ] && echo $(( rest > 0 ? rest : 1 )) || echo "$1"
+}
+
 echo "== build" | tee -a "$LOG"
-timeout "${BUILD_TIMEOUT:-180}" "$PY" -m mgrit.kernels.build cuda 2>&1 | tee "$OUT/build.log" | tee -a "$LOG"
+timeout "$(left "${BUILD_TIMEOUT:-120}")" "$PY" -m mgrit.kernels.build cuda 2>&1 | tee -a "$LOG"
 build_status=${PIPESTATUS[0]}
 
-echo "== gpu_check.py" | tee -a "$LOG"
-timeout "${CHECK_TIMEOUT:-600}" "$PY" benchmarks/gpu_check.py --out "$OUT" --device "${DEVICE:-cuda}" \
-    ${SECTIONS:+--sections "$SECTIONS"} 2>&1 | tee -a "$LOG"
-check_status=${PIPESTATUS[0]}
+echo "== pytest -m gpu" | tee -a "$LOG"
+# --continue-on-collection-errors: a test module that cannot be imported here costs its own
+# tests, not every GPU test
+[ "${DEVICE:-cuda}" = cuda ] && export MGRIT_TEST_REQUIRE_GPU=1
+timeout "$(left "${PYTEST_TIMEOUT:-150}")" "$PY" -m pytest -m gpu -q \
+    -p no:cacheprovider --continue-on-collection-errors --timeout 120 \
+    --junitxml "$OUT/pytest.xml" 2>&1 | tee -a "$LOG"
+pytest_status=${PIPESTATUS[0]}
+
+echo "== timing: gpu_check.py" | tee -a "$LOG"
+timing_limit=$(left "${TIMING_TIMEOUT:-250}")
+timeout "$timing_limit" "$PY" benchmarks/gpu_check.py --out "$OUT" --device "${DEVICE:-cuda}" \
+    --budget $(( timing_limit > 30 ? timing_limit - 20 : 10 )) 2>&1 | tee -a "$LOG"
+timing_status=${PIPESTATUS[0]}
 
 ranks_status=0
 RANKS=${RANKS-1,2,4,8,16}
-if [ -n "$RANKS" ]; then
+if [ -n "$RANKS" ] && [ "$(left 60)" -ge 60 ]; then
     echo "== real ranks: $RANKS" | tee -a "$LOG"
     # one virtual-rank run per point (RANKS_PROCESSES): with the cases' own 2-3 runs per
     # point the predictions did not finish within the first run's limit (docs/scaling.md)
-    timeout "${RANKS_TIMEOUT:-420}" "$PY" -m benchmarks.scaling.ranks "$OUT" --ranks "$RANKS" \
-        --processes "${RANKS_PROCESSES:-1}" \
-        2>&1 | tee "$OUT/ranks.log" | tee -a "$LOG"
+    timeout "$(left "${RANKS_TIMEOUT:-240}")" "$PY" -m benchmarks.scaling.ranks "$OUT" \
+        --ranks "$RANKS" --processes "${RANKS_PROCESSES:-1}" --repeats "${RANKS_REPEATS:-3}" \
+        2>&1 | tee -a "$LOG"
     ranks_status=${PIPESTATUS[0]}
+elif [ -n "$RANKS" ]; then
+    echo "== real ranks: left out, under a minute of the ${TOTAL:-540} s is left" | tee -a "$LOG"
 fi
 
-echo "build exit $build_status, check exit $check_status, ranks exit $ranks_status; results in $OUT" | tee -a "$LOG"
-for status in "$check_status" "$build_status" "$ranks_status"; do
+echo "build exit $build_status, pytest exit $pytest_status, timing exit $timing_status, ranks" \
+    "exit $ranks_status, $SECONDS s in all; results in $OUT" | tee -a "$LOG"
+for status in "$pytest_status" "$timing_status" "$build_status" "$ranks_status"; do
     if [ "$status" -ne 0 ]; then
         exit "$status"
     fi

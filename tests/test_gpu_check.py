@@ -1,0 +1,70 @@
+"""benchmarks/gpu_check.py's dry run on the CPU (small workloads, every path but the
+CUDA-only calls), so that the one-call GPU script cannot rot between GPU visits: every
+method of every workload is timed or recorded with a reason, the update and output checks
+tell exact methods from MGRIT's few cycles, the table is written from the records, and a
+job cut off by its time limit keeps its place in the record instead of ending the run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+def _run(out: Path, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess,
+                                                                  dict]:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out),
+                           *args], capture_output=True, text=True, timeout=timeout)
+    return proc, json.loads((out / "gpu-cpu.json").read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_times_or_explains_every_method(tmp_path):
+    from benchmarks import gpu_check
+
+    proc, data = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["workload"], r["method"], r["metric"]): r
+            for r in data["speed"] + data["unmeasured"]}
+    expected = {(w, m.name, metric) for w in gpu_check.WORKLOADS for m in gpu_check.METHODS
+                if not m.only or w in m.only for metric in gpu_check.METRICS}
+    expected |= {("w2", gpu_check.COMPILED.name, metric) for metric in gpu_check.METRICS}
+    assert set(rows) == expected
+    for (workload, method, metric), r in rows.items():
+        if method == "serial pytorch, cuda graph":
+            assert (r["status"], r["reason"]) == ("not available", "needs a CUDA device")
+        elif method == "mgrit captured step":
+            assert r["status"] in ("measured", "not available"), r
+        else:
+            assert r["status"] == "measured", r
+            assert r["seconds"] > 0 and r["first_call_seconds"] > 0
+            error = r["forward_error" if metric == "forward" else "update_error"]
+            # exact methods compute serial autograd's step; two forward and one backward
+            # MGRIT cycles do not, and the check must see that
+            if r["exact"]:
+                assert error <= 1e-5, r
+            else:
+                assert error > 1e-4, r
+    # the table: every measured time, each method's row in the methods' order
+    table = (tmp_path / "gpu-cpu.md").read_text()
+    for r in data["speed"]:
+        assert f"{r['seconds'] * 1e3:.3f} ms" in table
+    lines = [line for line in table.splitlines() if line.startswith("| w2 | train step")]
+    assert len(lines) == 1 and "serial pytorch, cuda graph | not available" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_job_past_its_limit_is_recorded_and_the_run_goes_on(tmp_path):
+    """A one-second limit stops the methods job of W2 (its process is killed); the run goes
+    on to the next workload's job, which the spent budget then leaves out."""
+    proc, data = _run(tmp_path, "--workloads", "w2,w1", "--compile", "", "--job-limit", "1",
+                      "--budget", "12")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    statuses = {(r["workload"], r["status"]) for r in data["unmeasured"]}
+    assert ("w2", "timed out") in statuses
+    assert data["jobs"][0]["workload"] == "w2" and data["jobs"][0]["exit"] is None
+    left_out = {r["status"] for r in data["unmeasured"] if r["workload"] == "w1"}
+    assert left_out <= {"timed out", "skipped"} and left_out
