@@ -14,7 +14,8 @@
 #      MPI_FROM_WHEELS=1 installs them in any case.
 #   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s).
 #   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 150 s) with
-#      MGRIT_TEST_REQUIRE_GPU=1, so that a GPU test cannot pass by skipping: the CUDA
+#      MGRIT_TEST_REQUIRE_GPU=1 and MGRIT_TEST_REQUIRE_ALL=1, so that a GPU test cannot
+#      pass by skipping (the MPI test needs mpiexec: carry the wheels): the CUDA
 #      kernels against their twins, the executors against the loop executor, levels=1
 #      against serial autograd, two ranks sharing the GPU against one; $OUT/pytest.xml.
 #   4. Speed: benchmarks/gpu_check.py (its docstring lists the methods; TIMING_TIMEOUT,
@@ -93,9 +94,10 @@ build_status=${PIPESTATUS[0]}
 echo "== pytest -m gpu" | tee -a "$LOG"
 # --continue-on-collection-errors: a test module that cannot be imported here costs its own
 # tests, not every GPU test
-[ "${DEVICE:-cuda}" = cuda ] && export MGRIT_TEST_REQUIRE_GPU=1
+# on the GPU machine a test that would skip (no CUDA device, no mpiexec) fails instead
+[ "${DEVICE:-cuda}" = cuda ] && export MGRIT_TEST_REQUIRE_GPU=1 MGRIT_TEST_REQUIRE_ALL=1
 timeout "$(left "${PYTEST_TIMEOUT:-150}")" "$PY" -m pytest -m gpu -q \
-    -p no:cacheprovider --continue-on-collection-errors --timeout 120 \
+    -p no:cacheprovider --continue-on-collection-errors -o timeout=120 \
     --junitxml "$OUT/pytest.xml" 2>&1 | tee -a "$LOG"
 pytest_status=${PIPESTATUS[0]}
 
