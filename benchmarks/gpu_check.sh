@@ -19,8 +19,9 @@
 #      kernels against their twins, the executors against the loop executor, levels=1
 #      against serial autograd, two ranks sharing the GPU against one; $OUT/pytest.xml.
 #   4. Speed: benchmarks/gpu_check.py (its docstring lists the methods; TIMING_TIMEOUT,
-#      250 s; DEVICE=cpu is its dry run without a GPU): $OUT/gpu-<device>.json after every
-#      method and $OUT/gpu-<device>.md, to be copied to docs/results/.
+#      250 s; DEVICE=cpu is its dry run without a GPU; WORKLOADS and COMPILE choose its
+#      workloads and those torch.compile runs on, COMPILE= none): $OUT/gpu-<device>.json
+#      after every method and $OUT/gpu-<device>.md, to be copied to docs/results/.
 #   5. python -m benchmarks.scaling.ranks at RANKS (default 1,2,4,8,16; never more than the
 #      cores; RANKS= leaves it out; at most RANKS_TIMEOUT, 240 s): $OUT/ranks.json, the
 #      measurements first (the predictions after them may be cut off; they can be replayed
@@ -104,7 +105,8 @@ pytest_status=${PIPESTATUS[0]}
 echo "== timing: gpu_check.py" | tee -a "$LOG"
 timing_limit=$(left "${TIMING_TIMEOUT:-250}")
 timeout "$timing_limit" "$PY" benchmarks/gpu_check.py --out "$OUT" --device "${DEVICE:-cuda}" \
-    --budget $(( timing_limit > 30 ? timing_limit - 20 : 10 )) 2>&1 | tee -a "$LOG"
+    --budget $(( timing_limit > 30 ? timing_limit - 20 : 10 )) \
+    ${WORKLOADS:+--workloads "$WORKLOADS"} ${COMPILE+--compile "$COMPILE"} 2>&1 | tee -a "$LOG"
 timing_status=${PIPESTATUS[0]}
 
 ranks_status=0
