@@ -394,8 +394,12 @@ def measure(method: Method, name: str, batch: Batch, ref: Reference, repeats: in
         else:
             error = float((serial_parameters(model) - ref.after).norm()
                           / (ref.after - ref.before).norm())
-        # a slow call (the stream executor, eager deep networks) gets fewer repeats
-        n = repeats if first < 0.25 or repeats <= 3 else 3
+        # a slow call (the stream executor, eager deep networks) gets fewer repeats; the
+        # second call says which (the first may have compiled or captured)
+        start = time.perf_counter()
+        fn()
+        _sync(batch.device)
+        n = repeats if time.perf_counter() - start < 0.25 or repeats <= 3 else 3
         seconds = (event_seconds(fn, n) if on_cuda else median_seconds(fn, n))
         rec = {**base, "metric": metric, "status": "measured", "seconds": seconds,
                "repeats": n, "first_call_seconds": first, "exact": method.exact,
