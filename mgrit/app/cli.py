@@ -106,7 +106,8 @@ def _world() -> Any:
 def run_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .train import Run, is_language_model
+    from .network import is_language_model
+    from .train import Run
 
     torch.set_num_threads(1)
     settings = settings_from(args)

@@ -17,8 +17,9 @@ from ..core.config import Config
 from ..core.cycle import DivergenceError, solve
 from ..nn.defaults import training_options
 from ..problems import Dahlquist, Heat1D, ModuleResNet
+from .outputs import refuse_used
 from .settings import Settings
-from .train import Run, refuse_used
+from .train import Run
 
 
 def _with_output(settings: Settings, folder: Path, serial: bool, label: str) -> Settings:

@@ -1,0 +1,164 @@
+"""The network a training run trains, behind one interface whichever way it is trained:
+`SerialModel` in one process, `LayerParallelModel` across the ranks of a layer
+communicator. A run picks one at construction (`build_model`); from then on checkpoints,
+export, step statistics and random draws go through the same methods."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..nn import Controller, LayerParallel, draws, serial_resnet
+from ..nn.atomic import write_atomically
+from ..nn.blocks import ResNetSpec
+from .loop import LossFn, train_step
+from .settings import TRANSFORMERS, ControlSettings, Settings, SettingsError
+
+Mark = Callable[[], None]
+
+
+class TrainedModel(Protocol):
+    """What a run needs of its network."""
+
+    module: nn.Module
+    draw_step: int      # training forward passes so far: the random draws of the next one
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The last step's solver statistics per pass ("forward", "backward"), if any."""
+
+    def controller(self, control: ControlSettings) -> Controller | None:
+        """The [control] controller of this network, or None."""
+
+    def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
+                   yb: Tensor, mark: Mark | None, controller: Controller | None
+                   ) -> tuple[Tensor, Tensor]:
+        """One optimizer step on the batch: (loss, outputs)."""
+
+    def save(self, folder: Path, optimizer: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None:
+        """This rank's part of a checkpoint into `folder` (raises WriteError)."""
+
+    def load(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Weights (and the optimizer's state, unless None) from `folder`; the `extra`
+        saved with them."""
+
+    def to_serial(self) -> nn.Module | None:
+        """The plain network to export (None on ranks that do not hold it)."""
+
+
+class SerialModel:
+    """A plain residual network trained in one process; its checkpoint is one file."""
+
+    def __init__(self, module: nn.Module, seed: int, keyed_draws: bool) -> None:
+        self.module = module
+        self.seed = seed
+        # a network with dropout draws the masks of the layer-parallel network's training
+        # step of the same number (keyed by the seed and the step): both train the same
+        # network, and a resumed run continues the draws (the count is checkpointed)
+        self.keyed_draws = keyed_draws
+        self.draw_step = 0
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def controller(self, control: ControlSettings) -> Controller | None:
+        return None       # it tunes the MGRIT solvers, which a serial network has none of
+
+    def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
+                   yb: Tensor, mark: Mark | None, controller: Controller | None
+                   ) -> tuple[Tensor, Tensor]:
+        if not self.keyed_draws:
+            return train_step(self.module, optimizer, loss_fn, xb, yb, mark, controller)
+        with draws(self.seed, self.draw_step):
+            result = train_step(self.module, optimizer, loss_fn, xb, yb, mark)
+        self.draw_step += 1
+        return result
+
+    def save(self, folder: Path, optimizer: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
+                 "extra": extra}
+        write_atomically(folder / "serial.pt", lambda f: torch.save(state, f))
+
+    def load(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        path = folder / "serial.pt"
+        try:
+            state = torch.load(path, weights_only=False)
+        except FileNotFoundError:
+            raise OSError(f"no checkpoint file {path}") from None
+        except Exception as err:
+            raise ValueError(f"{path} cannot be read ({type(err).__name__}: {err}): it is "
+                             "truncated or corrupt") from None
+        self.module.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        return state["extra"]
+
+    def to_serial(self) -> nn.Module | None:
+        return self.module
+
+
+class LayerParallelModel:
+    """A `LayerParallel` network: each rank saves and loads its own layers."""
+
+    def __init__(self, module: LayerParallel) -> None:
+        self.module = module
+
+    @property
+    def draw_step(self) -> int:
+        return self.module.draw_step
+
+    @draw_step.setter
+    def draw_step(self, step: int) -> None:
+        self.module.draw_step = step
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.module.stats
+
+    def controller(self, control: ControlSettings) -> Controller | None:
+        if not control.enabled:
+            return None
+        return Controller(self.module, control.threshold, control.every, control.max_every,
+                          control.max_cycles, control.batching, control.warm)
+
+    def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
+                   yb: Tensor, mark: Mark | None, controller: Controller | None
+                   ) -> tuple[Tensor, Tensor]:
+        return train_step(self.module, optimizer, loss_fn, xb, yb, mark, controller)
+
+    def save(self, folder: Path, optimizer: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None:
+        self.module.save_checkpoint(folder, optimizer, **extra)
+
+    def load(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        return self.module.load_checkpoint(folder, optimizer)
+
+    def to_serial(self) -> nn.Module | None:
+        return self.module.to_serial()
+
+
+def build_model(settings: Settings, net: ResNetSpec, comm: Any, data_comm: Any
+                ) -> TrainedModel:
+    """The network of `net` as [training] says to train it: serial, or layer-parallel over
+    `comm` (replicas summing gradients over `data_comm` when data_parallel > 1)."""
+    t = settings.training
+    if t.serial:
+        keyed = settings.network.kind in TRANSFORMERS and settings.network.dropout > 0
+        return SerialModel(serial_resnet(net.step, net.num_steps, net.t_final, net.opening,
+                                         net.closing), t.seed, keyed)
+    try:
+        return LayerParallelModel(LayerParallel(
+            net.step, net.num_steps, net.t_final, settings.solver("forward"),
+            settings.solver("backward"), comm=comm, opening=net.opening,
+            closing=net.closing, data_comm=data_comm if t.data_parallel > 1 else None,
+            seed=t.seed))
+    except (ValueError, TypeError) as err:
+        # its checks see the same settings on every rank (or agree across them)
+        raise SettingsError(str(err)) from None
