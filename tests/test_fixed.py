@@ -1,9 +1,9 @@
-"""The phase split of one rank's training step (benchmarks.scaling.fixed): its spans follow
+"""The phase split of one rank's training step (benchmarks.studies.fixed): its spans follow
 the step's boundaries in order and add up to the step, and the library is left unwrapped."""
 
 import pytest
 
-from benchmarks.scaling import fixed
+from benchmarks.studies import fixed
 from mgrit.core.cycle import Solver
 from mgrit.nn import layer_parallel
 

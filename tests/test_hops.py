@@ -1,4 +1,4 @@
-"""The per-hop cost split of benchmarks.scaling.hops: its counters, the check that a counting
+"""The per-hop cost split of benchmarks.studies.hops: its counters, the check that a counting
 run lines up with the timed run, and the split of a small training step on virtual ranks."""
 
 import math
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.scaling import hops
 from benchmarks.scaling.cases import CURVES
+from benchmarks.studies import hops
 
 
 def test_counters_see_python_calls_and_aten_ops_but_not_the_dispatch_machinery():
@@ -85,7 +85,7 @@ def test_every_hierarchy_variant_fits_w2_and_predicts_a_step():
     """The hierarchy study's variants are valid MGRIT hierarchies for W2's 1024 layers
     (each level as asked, coarsest level of at least one step), and one of them runs on
     two virtual ranks to a prediction with message hops."""
-    from benchmarks.scaling.hierarchies import VARIANTS, config, variant_point
+    from benchmarks.studies.hierarchies import VARIANTS, config, variant_point
     from mgrit.app.replay import Interconnect
     from mgrit.core.grid import build_hierarchy
 
@@ -103,7 +103,7 @@ def test_a_hierarchy_case_is_w2_with_that_hierarchy_and_travels_to_fresh_process
     rest of W2 as it is), and a value that a fresh process can be handed."""
     import pickle
 
-    from benchmarks.scaling.hierarchies import VARIANTS, HierarchyCase, config
+    from benchmarks.studies.hierarchies import VARIANTS, HierarchyCase, config
 
     base = CURVES["w2"].work()
     for name, (levels, coarsening, relax) in VARIANTS.items():

@@ -1,10 +1,10 @@
-"""The level-by-level split of a training step's critical path (benchmarks.scaling.levels):
+"""The level-by-level split of a training step's critical path (benchmarks.studies.levels):
 every compute span and every hop of the path is charged somewhere, and the solves' spans
 go to the levels they belong to."""
 
 import pytest
 
-from benchmarks.scaling import levels
+from benchmarks.studies import levels
 
 
 @pytest.mark.parametrize("hot", [False, True])

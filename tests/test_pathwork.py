@@ -1,4 +1,4 @@
-"""Evaluations on the critical path (`benchmarks.scaling.pathwork`) against sequential
+"""Evaluations on the critical path (`benchmarks.studies.pathwork`) against sequential
 stepping's known work and against `benchmarks.work`'s independent count."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from benchmarks.scaling import hops
 from benchmarks.scaling.cases import CURVES
-from benchmarks.scaling.pathwork import path_work
+from benchmarks.studies import hops
+from benchmarks.studies.pathwork import path_work
 from benchmarks.training import sequential_variant
 from benchmarks.work import step_work
 

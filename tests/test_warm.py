@@ -1,4 +1,4 @@
-"""Warm virtual ranks (benchmarks.scaling.warm): a rank run alone with what it received in a
+"""Warm virtual ranks (benchmarks.studies.warm): a rank run alone with what it received in a
 virtual run repeats that run exactly, and so do its traces."""
 
 import torch
@@ -6,7 +6,7 @@ import torch
 import mgrit
 from mgrit.comm.virtual import run_ranks
 
-from benchmarks.scaling import warm
+from benchmarks.studies import warm
 from cases import resnet_problem
 
 

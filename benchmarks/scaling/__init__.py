@@ -9,6 +9,7 @@ replayed on a modelled network (`mgrit.app.replay.replay`). Serial PyTorch and l
 model parallelism are modelled from measured per-layer costs of the plain network and
 replayed the same way (`serial`). The study (`study`) checks the model against 1 and 2 real
 MPI ranks first (`validation`). `cases` holds what all of them run.
+Finished investigations built on these parts live in `benchmarks.studies`.
 
     python -m benchmarks.scaling OUT_DIR      writes OUT_DIR/scaling.json and
                                               OUT_DIR/figures/scaling.png

@@ -1,12 +1,19 @@
 """Where one rank's training step goes, phase by phase: W2's step in this process on one rank
 with as many layers as a rank holds at a given rank count (64: W2 on 16 ranks; W2's
-hierarchy needs 64 layers at least), docs/performance.md, "A step's fixed costs". The costs that do not shrink with a rank's layers (set-up of a pass, the
-checks, the loss and autograd's start, the assembly of gradients) are the ones every rank
-pays at every rank count; this splits the step at the solver's own boundaries (solve,
-cycle, residual) and at the training step's (zero_grad, forward, loss, backward, update),
-and prints the median of each span over the timed steps.
+hierarchy needs 64 layers at least), docs/performance.md, "A step's fixed costs". The
+costs that do not shrink with a rank's layers (set-up of a pass, the checks, the loss and
+autograd's start, the assembly of gradients) are the ones every rank pays at every rank
+count; this splits the step at the solver's own boundaries (solve, cycle, residual) and
+at the training step's (zero_grad, forward, loss, backward, update), and prints the median
+of each span over the timed steps.
 
-    python -m benchmarks.scaling.fixed [--layers 64] [--steps 300] [--json PATH]
+    python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--json PATH]
+
+Question: which costs of a rank's training step do not shrink with its layers?
+Answer: at 64 layers, the spans outside the forward cycles and the adjoint's solve (the
+passes' set-up, the checks, the loss, autograd's start, gradient assembly, the update) are
+484 of the step's 831 us. Result: the table in docs/performance.md, "A step's fixed costs"
+(recorded there only).
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import torch
 from mgrit.core.cycle import Solver
 from mgrit.nn import layer_parallel
 
+from ..scaling.cases import setup, shared_model
 from ..workloads import TRAINING_WORKLOADS, w2
-from .cases import setup, shared_model
 
 # the solver's boundaries that split a step: (owner, method, label)
 BOUNDARIES = ((Solver, "_solve", "solve"), (Solver, "_run_cycle", "cycle"),
@@ -100,7 +107,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling.fixed",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.fixed",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64,
                         help="W2's layers on the one rank (1024 / ranks)")

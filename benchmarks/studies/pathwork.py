@@ -2,12 +2,19 @@
 evaluations on the critical path and on all ranks together, and the path's hops, each
 over sequential stepping's (N forward + N adjoint evaluations, no hops).
 
-The counts are `benchmarks.scaling.hops`' counting run, matched event by event to the timed
+The counts are `benchmarks.studies.hops`' counting run, matched event by event to the timed
 run whose replay names the path; like its floor they count an adjoint step whose cotangent
 is all zeros as no evaluation (no arithmetic is done for it), so a zero-started adjoint's
 first sweep counts less than `benchmarks.work`'s steps asked of the propagator.
 
-    python -m benchmarks.scaling.pathwork [--ranks 1,2,16,64] [--variant N] [--json PATH]
+    python -m benchmarks.studies.pathwork [--ranks 1,2,16,64] [--variant N] [--json PATH]
+
+Question: how much of sequential stepping's layer arithmetic lies on the critical path
+of P ranks?
+Answer: W2 does 3.34 times sequential's evaluations at every P; its critical path holds
+1.66 times at 2 ranks, 0.21 at 16 and 0.069 at 64, while the predicted step stays at 2.2
+to 3.5 ms: past a few ranks the path is hops and fixed costs, not arithmetic.
+Results: docs/results/work-path-w2.json and work-path-w2-variants.json.
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ from typing import Any
 
 from mgrit.app.replay import Interconnect
 
+from ..scaling.cases import CURVES
+from ..scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from . import hops
-from .cases import CURVES
-from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 
 
 def path_work(result: dict[str, Any], num_steps: int) -> dict[str, Any]:
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="1,2,16,64", help="comma-separated rank counts")
     parser.add_argument("--variant", type=int, help="a W2 hierarchy of "
-                        "benchmarks.scaling.hierarchies (its number in VARIANTS)")
+                        "benchmarks.studies.hierarchies (its number in VARIANTS)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json")
     args = parser.parse_args(argv)

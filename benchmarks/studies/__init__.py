@@ -1,0 +1,12 @@
+"""Finished investigations of where a layer-parallel training step's time goes, each run on
+its own (`python -m benchmarks.studies.NAME`); every module's docstring says the question it
+answered, its command and where its result is recorded. The scaling study proper, whose
+virtual ranks, cases and cluster network they reuse, is `benchmarks.scaling`.
+
+    fixed        the costs of one rank's step that do not shrink with its layers
+    hierarchies  W2's step at 64 ranks with other MGRIT hierarchies (used by levels, pathwork)
+    hops         the critical path's cost per hop, and its arithmetic floor
+    levels       the critical path's compute and hops by multigrid level and pass
+    warm         virtual ranks run again alone, with warm caches
+    pathwork     layer evaluations on the critical path against sequential stepping's
+"""
