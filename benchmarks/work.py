@@ -25,7 +25,7 @@ import torch
 
 from mgrit.core.propagator import Step
 from mgrit.kernels import strategies
-from mgrit.nn import propagators
+from mgrit.nn.engine import propagators
 
 _lock = threading.Lock()
 _local = threading.local()      # depth of counted calls: a call made by one is not counted

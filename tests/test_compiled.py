@@ -14,7 +14,7 @@ from torch import nn
 import mgrit
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import dense, native
-from mgrit.nn import propagators
+from mgrit.nn.engine import propagators
 
 from test_native import native_kernels, needs_native  # noqa: F401 (the fixture)
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from mgrit.kernels import contract, strategies
 from mgrit.kernels.chain import Chain
-from mgrit.nn import module_strategy
+from mgrit.nn.engine import module_strategy
 
 from nets import build, data
 

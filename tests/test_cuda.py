@@ -17,7 +17,7 @@ import mgrit
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import build, cuda
 from mgrit.kernels import strategies as kernel_steps
-from mgrit.nn import module_strategy as nn_steps
+from mgrit.nn.engine import module_strategy as nn_steps
 
 from nets import build as build_networks, data, owned_pairs, relative
 

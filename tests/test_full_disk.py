@@ -17,7 +17,7 @@ from mgrit.app.settings import load
 from mgrit.app import train
 from mgrit.app.train import Run
 from mgrit.nn import LayerParallel, serial_state_dict
-from mgrit.nn.atomic import WriteError, write_atomically
+from mgrit.nn.engine.atomic import WriteError, write_atomically
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 

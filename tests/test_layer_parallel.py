@@ -6,7 +6,7 @@ from torch import nn
 
 import mgrit
 from mgrit.comm.virtual import run_ranks
-from mgrit.nn import gradients
+from mgrit.nn.engine import gradients
 
 from nets import INEXACT_CASES, build, data, inexact_training, owned_pairs, relative
 
@@ -308,7 +308,7 @@ def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monke
     gradients (to rounding: a coarse step may take values a batched kernel computed where
     it would compute them singly), and nothing kept once the backward pass is done."""
     from mgrit.kernels import chain as kernels
-    from mgrit.nn.propagators import NetworkPropagator
+    from mgrit.nn.engine.propagators import NetworkPropagator
 
     fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
                        min_coarse=1)
@@ -469,7 +469,7 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     gradients to rounding. (Step by step, MGRIT_NATIVE=kernels: the evaluations are
     counted in torch's chain kernels, which compiled phases do not call.)"""
     from mgrit.kernels import chain as kernels
-    from mgrit.nn.propagators import AdjointPropagator, NetworkPropagator
+    from mgrit.nn.engine.propagators import AdjointPropagator, NetworkPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "kernels")
     monkeypatch.setattr(NetworkPropagator, "final_sweep", lambda self, active: None)
@@ -514,7 +514,7 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
     from mgrit.core.propagator import StepBatch
     from mgrit.kernels import strategies
     from mgrit.kernels.strategies import ChainSteps
-    from mgrit.nn.propagators import AdjointPropagator
+    from mgrit.nn.engine.propagators import AdjointPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
     monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)

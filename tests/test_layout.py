@@ -114,6 +114,20 @@ def test_no_library_module_imports_the_tools_or_the_benchmarks():
                     "benchmarks.bench"]
 
 
+def test_the_network_engine_never_imports_the_public_network_modules():
+    # mgrit/nn's public modules (LayerParallel, blocks, checkpoints, controller...) build on
+    # mgrit/nn/engine; the engine stays below them so it can change without touching the API
+    engine = _files("nn", "engine")
+    public = sorted(p for p in PACKAGE.joinpath("nn").glob("*.py") if p.name != "__init__.py")
+    assert {p.stem for p in engine} >= {"passes", "propagators", "stack", "ghosts", "gradients"}
+    assert {p.stem for p in public} >= {"layer_parallel", "blocks", "checkpoint", "controller"}
+    assert _offending(engine, tuple(f"mgrit.nn.{p.stem}" for p in public) + ("mgrit.nn",),
+                      allowed=("mgrit.nn.engine",)) == []
+    doc = ast.get_docstring(ast.parse(PACKAGE.joinpath("nn", "engine", "__init__.py")
+                                      .read_text()))
+    assert doc and len(doc.split()) >= 8
+
+
 def test_mpi4py_is_imported_by_the_mpi_communicator_alone():
     found = _offending(_library(), ("mpi4py",))
     assert found and {line.split()[0] for line in found} == {"mgrit/comm/mpi.py"}

@@ -13,7 +13,7 @@ from torch import nn
 
 from mgrit.kernels import dense, strategies
 from mgrit.kernels.chain import Chain
-from mgrit.nn import propagators
+from mgrit.nn.engine import propagators
 
 from test_compiled import _random_case, _train, phases_against_steps
 

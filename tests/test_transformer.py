@@ -11,7 +11,7 @@ from torch import nn
 
 import mgrit
 from mgrit.nn import Dropout, TransformerBlock, draws, layer_key
-from mgrit.nn import randomness
+from mgrit.nn.engine import randomness
 
 sys.path.insert(0, str(Path(__file__).parent))
 from transformer_cases import build, inputs, train_side_by_side  # noqa: E402

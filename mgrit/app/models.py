@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import Controller, LayerParallel, draws, serial_resnet
-from ..nn.atomic import write_atomically
+from ..nn.engine.atomic import write_atomically
 from ..nn.blocks import ResNetSpec
 from .loop import LossFn, train_step
 from .settings import TRANSFORMERS, ControlSettings, Settings, SettingsError

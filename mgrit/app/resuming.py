@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..nn.atomic import WriteError, write_atomically
+from ..nn.engine.atomic import WriteError, write_atomically
 from .settings import SettingsError
 
 # what an interrupted run leaves: half-written checkpoint folders, the stop markers of

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..nn.atomic import WriteError, write_atomically
+from ..nn.engine.atomic import WriteError, write_atomically
 from . import data as datasets
 from .collective import agreed, on_rank_zero
 from .data import batches

@@ -1,4 +1,4 @@
-"""The step-strategy contract: what the network propagators (`mgrit.nn.propagators`) call on
+"""The step-strategy contract: what the network propagators (`mgrit.nn.engine.propagators`) call on
 the strategy that computes a rank's residual steps u + dt f(u) and their adjoints, as typed
 Protocols, checked once per strategy class (`check_strategy`) so that a missing or misnamed
 method is an error when the strategy is chosen, not an AttributeError deep in a solve or a

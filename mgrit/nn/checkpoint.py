@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from ..core.grid import layer_ranges
-from .atomic import write_atomically
-from .ghosts import placement
-from .passes import Passes
+from .engine.atomic import write_atomically
+from .engine.ghosts import placement
+from .engine.passes import Passes
 from .serial import ResidualNetwork, ResidualStep
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def save(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
              "model": model.state_dict(),
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "warm": passes.warm_states(), "extra": extra,
-             # the keyed random draws continue where they were (mgrit.nn.randomness)
+             # the keyed random draws continue where they were (mgrit.nn.engine.randomness)
              "draws": {"seed": model.draw_seed, "step": model.draw_step}}
     # a failed write (a full disk) removes its temporary file and names the file and
     # why; the rank's earlier file at `path` stays

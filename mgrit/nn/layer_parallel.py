@@ -23,13 +23,13 @@ from ..core.config import Config
 from ..core.grid import LevelGrid, build_hierarchy, layer_ranges, level0_blocks
 from . import checkpoint, clipping
 from .defaults import training_config
-from .ghosts import GhostExchange
-from .gradients import average_gradients, context_gradients, layer_gradients
-from .passes import Passes
-from .precision import autocast_state, reentered
-from .stack import LayerStack, build_layers
-from .module_strategy import CONTEXT
-from .tied import TiedWeights
+from .engine.ghosts import GhostExchange
+from .engine.gradients import average_gradients, context_gradients, layer_gradients
+from .engine.passes import Passes
+from .engine.precision import autocast_state, reentered
+from .engine.stack import LayerStack, build_layers
+from .engine.module_strategy import CONTEXT
+from .engine.tied import TiedWeights
 
 
 class _ODESolve(torch.autograd.Function):
@@ -77,7 +77,7 @@ class LayerParallel(nn.Module):
     step:      zero-argument factory of the residual function f (an nn.Module mapping a
                state to a state of the same shape); called num_steps times in layer order on
                every rank, each rank keeping its own layers; one module returned every
-               time ties the layers' weights (trained as one, `mgrit.nn.tied`).
+               time ties the layers' weights (trained as one, `mgrit.nn.engine.tied`).
     forward, backward: solver options of the two passes (default: 3 levels, coarsening 4,
                F-relaxation on the fine level and FCF below, 2 forward cycles, 1 backward
                cycle). `initial_guess="warm"` starts each solve from the previous step's.
@@ -145,7 +145,7 @@ class LayerParallel(nn.Module):
         self.layer_range = (lo, hi)
         template, kept, tied = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
-        # weights tied across depth: the one module is what trains (`mgrit.nn.tied`)
+        # weights tied across depth: the one module is what trains (`mgrit.nn.engine.tied`)
         self.tied_step = tied
         self._tied = TiedWeights(tied, self.layers, self.comm) if tied is not None else None
         self.set_draw_seed(self._agreed_seed(seed))
@@ -357,7 +357,7 @@ class LayerParallel(nn.Module):
         return self.closing(u_final)
 
     def _fill_tied_rows(self) -> None:
-        """Tied weights: the rows := the module the optimizer updates (`mgrit.nn.tied`)."""
+        """Tied weights: the rows := the module the optimizer updates (`mgrit.nn.engine.tied`)."""
         if self._tied is not None:
             self._tied.fill_rows()
 
@@ -443,10 +443,10 @@ def _grids(kind: str, cfg: Any, num_steps: int) -> list[LevelGrid]:
 def _draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:
     """Whether the step module draws from torch's generator in training mode (beyond the
     keyed `Dropout`s): it then fails vmap's randomness check. Such modules run layer by
-    layer, each seeded with its key (`mgrit.nn.module_strategy`)."""
+    layer, each seeded with its key (`mgrit.nn.engine.module_strategy`)."""
     from torch.func import vmap
 
-    from . import randomness as draws
+    from .engine import randomness as draws
 
     placeholder = layers.placeholder()
     try:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from . import randomness as draws
+from .engine import randomness as draws
 
 
 class ResidualStep(nn.Module):

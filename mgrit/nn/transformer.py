@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import randomness as draws
+from .engine import randomness as draws
 
 NORMS = ("layer", "rms")
 

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, vjp, vmap
 
-from ..kernels.choice import native_backend
-from ..kernels.contract import Kept, StepStrategy, Tensors, check_strategy
-from ..kernels.strategies import chain_steps
+from ...kernels.choice import native_backend
+from ...kernels.contract import Kept, StepStrategy, Tensors, check_strategy
+from ...kernels.strategies import chain_steps
 from . import randomness as draws
 from .precision import autocasting
 from .stack import LayerStack

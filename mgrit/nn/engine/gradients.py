@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from ..comm import Comm
+from ...comm import Comm
 from .stack import LayerStack
 
 

@@ -4,7 +4,7 @@ Forward:  Phi_n(u) = u + dt * f(u; theta_n)
 Adjoint:  on the reversed grid, w -> w + dt * (df/du)(u_p; theta_p)^T w, with p the
           forward point where the corresponding forward step starts.
 
-Both compute through a step strategy (`mgrit.nn.module_strategy`) chosen once per solve
+Both compute through a step strategy (`mgrit.nn.engine.module_strategy`) chosen once per solve
 for their states' shape, dtype and device; what is theirs is the bookkeeping around it: which layer a
 step uses, the op outputs the forward pass keeps for the adjoint, the adjoint's skipping of
 zero cotangents and the parameter cotangents of its final fine sweep.
@@ -18,11 +18,11 @@ from typing import Callable, Hashable
 import torch
 from torch import Tensor
 
-from ..core.propagator import Step, StepBatch
-from ..execute import write_result
-from ..kernels.choice import compiled_phases
-from ..kernels.contract import has_phases
-from ..kernels.strategies import Kept, Tensors
+from ...core.propagator import Step, StepBatch
+from ...execute import write_result
+from ...kernels.choice import compiled_phases
+from ...kernels.contract import has_phases
+from ...kernels.strategies import Kept, Tensors
 from .stack import LayerStack
 from .module_strategy import StepSelection
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
-from ..core.grid import LevelGrid, coarse_layer_needs
+from ...comm import Comm
+from ...core.grid import LevelGrid, coarse_layer_needs
 from .stack import LayerStack
 
 

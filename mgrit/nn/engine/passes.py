@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..comm import Comm, ReversedComm
-from ..core.config import Config
-from ..core.cycle import Result, Solver
-from ..core.grid import adjoint_blocks
+from ...comm import Comm, ReversedComm
+from ...core.config import Config
+from ...core.cycle import Result, Solver
+from ...core.grid import adjoint_blocks
 from .propagators import AdjointPropagator, NetworkPropagator
 from .stack import LayerStack
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..kernels.chain import Chain
+from ...kernels.chain import Chain
 from . import randomness as draws
 from .tied import Sharing
 
@@ -34,7 +34,7 @@ def build_layers(factory: Callable[[], nn.Module], num_steps: int, keep: range
     Every rank draws the same random numbers in the same order as a serial
     `[factory() for _ in range(N)]`, so layer n starts from the same values whichever
     rank owns it. Returns a template (layer 0), the kept layers and, where the factory
-    returned one module for every layer (weights tied across depth, `mgrit.nn.tied`), that
+    returned one module for every layer (weights tied across depth, `mgrit.nn.engine.tied`), that
     module; checks that all layers have the same parameters, shared by all layers or by
     none, and no running statistics. Every nn.Dropout inside
     becomes `mgrit.nn.Dropout` (keyed draws, see `mgrit.nn.draws`).

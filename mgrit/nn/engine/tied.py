@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ..comm import Comm
+from ...comm import Comm
 
 if TYPE_CHECKING:
     from .stack import LayerStack
