@@ -25,7 +25,7 @@ import torch
 
 from mgrit.core.propagator import Step
 from mgrit.kernels import strategies
-from mgrit.nn.engine import propagators
+from mgrit.nn.engine import adjoint, propagators
 
 _lock = threading.Lock()
 _local = threading.local()      # depth of counted calls: a call made by one is not counted
@@ -135,7 +135,7 @@ def counting() -> Iterator[Work]:
     batch = lambda x, steps, *rest: (steps.level, steps.count)  # noqa: E731
     patches: list[tuple[Any, str, Any]] = []
     for cls, direction in ((propagators.NetworkPropagator, "forward"),
-                           (propagators.AdjointPropagator, "adjoint")):
+                           (adjoint.AdjointPropagator, "adjoint")):
         for name, size in (("step", one), ("step_into", one), ("step_batch", batch),
                            ("step_batch_into", batch)):
             if name in vars(cls):

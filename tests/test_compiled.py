@@ -14,7 +14,7 @@ from torch import nn
 import mgrit
 from mgrit.comm.virtual import run_ranks
 from mgrit.kernels import dense, native
-from mgrit.nn.engine import propagators
+from mgrit.nn.engine import adjoint_phase
 
 from test_native import native_kernels, needs_native  # noqa: F401 (the fixture)
 
@@ -248,8 +248,8 @@ def test_adjoint_phases_follow_forward_outputs_that_are_new_tensors(monkeypatch)
     compiled once each); the results equal the twin's exactly in both cases."""
     compiled, refreshed = [], []
     for name, calls in (("_compile", compiled), ("_refresh", refreshed)):
-        original = getattr(propagators._AdjointPhase, name)
-        monkeypatch.setattr(propagators._AdjointPhase, name,
+        original = getattr(adjoint_phase.AdjointPhase, name)
+        monkeypatch.setattr(adjoint_phase.AdjointPhase, name,
                             lambda self, _f=original, _c=calls: _c.append(self) or _f(self))
     # as where the kernels' tanh is scalar: large forward batches go to torch
     monkeypatch.setattr(native, "vector_tanh", lambda: False)

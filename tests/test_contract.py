@@ -62,7 +62,7 @@ def test_a_strategy_without_a_required_method_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"KeptStrategy .*lacks step_into, batch_into, values"):
         contract.check_strategy(_KeepsNothing())
     with pytest.raises(TypeError, match=r"part of PhaseStrategy but lacks keep_program, "
-                                        r"vjp_program, parameter_names"):
+                                        r"vjp_program, phase_values, phase_cotangents"):
         contract.check_strategy(_HalfPhases())
     with pytest.raises(TypeError, match=r"batch \(cannot be called as batch\(t, states, dt\)\)"):
         contract.check_strategy(_WrongArguments())

@@ -469,7 +469,8 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     gradients to rounding. (Step by step, MGRIT_NATIVE=kernels: the evaluations are
     counted in torch's chain kernels, which compiled phases do not call.)"""
     from mgrit.kernels import chain as kernels
-    from mgrit.nn.engine.propagators import AdjointPropagator, NetworkPropagator
+    from mgrit.nn.engine.adjoint import AdjointPropagator
+    from mgrit.nn.engine.propagators import NetworkPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "kernels")
     monkeypatch.setattr(NetworkPropagator, "final_sweep", lambda self, active: None)
@@ -514,7 +515,7 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
     from mgrit.core.propagator import StepBatch
     from mgrit.kernels import strategies
     from mgrit.kernels.strategies import ChainSteps
-    from mgrit.nn.engine.propagators import AdjointPropagator
+    from mgrit.nn.engine.adjoint import AdjointPropagator
 
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
     monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)

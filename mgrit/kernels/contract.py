@@ -103,12 +103,21 @@ class PhaseStrategy(Protocol):
         """`program` for steps that keep their op outputs, and those outputs per layer."""
 
     def vjp_program(self, tensors: list[Tensors], ys: list[Tensor], rows: Rows, dt: float,
-                    record: tuple[list[Tensor], Sequence[Tensor], Sequence[Tensor]] | None
-                    = None) -> Callable[[], None] | None:
-        """The adjoint steps of `rows` as one call, recording parameter cotangents if asked."""
+                    record: tuple[list[Tensor], Tensors, Sequence[int]] | None = None
+                    ) -> Callable[[], None] | None:
+        """The adjoint steps of `rows` as one call, from the values `ys[i]` that
+        `phase_values` picked out of each step's kept outputs. With `record` = (forward
+        states, cotangents from `phase_cotangents`, rows), step i also writes its
+        parameter cotangents into row rows[i] of each."""
 
-    def parameter_names(self) -> tuple[str, str]:
-        """The names of the weight and the bias, as the parameter cotangents are keyed."""
+    def phase_values(self, kept: Kept) -> tuple[Tensor, object]:
+        """What a compiled adjoint step reads of a layer's kept outputs, and the object it
+        was read from: while the layer's kept outputs hold that same object at the same
+        index, a compiled phase stays valid. The layout of kept outputs is the strategy's
+        alone; the propagators only hand them back."""
+
+    def phase_cotangents(self, t: Tensors, count: int) -> Tensors:
+        """Empty parameter cotangents of `count` layers like `t`, keyed as a batch's are."""
 
 
 @dataclass(frozen=True)

@@ -210,24 +210,32 @@ class NativeDenseSteps(ChainSteps):
 
     def vjp_program(self, tensors: list[Tensors], ys: list[Tensor],
                     rows: list[tuple[Tensor, Tensor, Tensor | None]], dt: float,
-                    record: tuple[list[Tensor], Sequence[Tensor], Sequence[Tensor]] | None = None
+                    record: tuple[list[Tensor], Tensors, Sequence[int]] | None = None
                     ) -> DenseProgram | None:
         """The adjoint steps out = g + w + dt (df/du)^T w for (w, out, g) in `rows`, with
         the tanh `ys[i]` the forward step kept, in order, as one native call. With
-        `record` = (forward states, gw, gb), step i also writes its parameter cotangents
-        (not scaled by dt) into gw[i] and gb[i] (rows of a stacked tensor, or any views)."""
+        `record` = (forward states, cotangents, order), step i also writes its parameter
+        cotangents (not scaled by dt) into row order[i] of the weight's and the bias's."""
         if record is None:
             return self.kernels.program([(t[self.weight], w, y, g, out)
                                          for t, y, (w, out, g) in zip(tensors, ys, rows)],
                                         dt, True)
-        xs, gw, gb = record
+        xs, cotangents, order = record
+        gw, gb = cotangents[self.weight], cotangents[self.bias]
         return self.kernels.program(
-            [(t[self.weight], w, y, g, out, x, gw[i], gb[i])
-             for i, (t, y, (w, out, g), x) in enumerate(zip(tensors, ys, rows, xs))], dt, True)
+            [(t[self.weight], w, y, g, out, x, gw[r], gb[r])
+             for t, y, (w, out, g), x, r in zip(tensors, ys, rows, xs, order)], dt, True)
 
-    def parameter_names(self) -> tuple[str, str]:
-        """The names of the weight and the bias, as the parameter cotangents are keyed."""
-        return self.weight, self.bias
+    def phase_values(self, kept: Kept) -> tuple[Tensor, object]:
+        """The kept tanh (the second op's outputs: the adjoint reads nothing else) and the
+        tensor or list it sits in."""
+        outputs, k = kept
+        return outputs[1][k], outputs[1]
+
+    def phase_cotangents(self, t: Tensors, count: int) -> Tensors:
+        w, b = t[self.weight], t[self.bias]
+        return {self.weight: w.new_empty((count, *w.shape)),
+                self.bias: b.new_empty((count, *b.shape))}
 
     def single_values(self, layer: int, t: Tensors, u: Tensor) -> Kept:
         y = torch.empty_like(u)

@@ -12,7 +12,8 @@ from ...comm import Comm, ReversedComm
 from ...core.config import Config
 from ...core.cycle import Result, Solver
 from ...core.grid import adjoint_blocks
-from .propagators import AdjointPropagator, NetworkPropagator
+from .adjoint import AdjointPropagator
+from .propagators import NetworkPropagator
 from .stack import LayerStack
 
 
