@@ -3,13 +3,15 @@
 The public modules: `layer_parallel` (`LayerParallel`, an `nn.Module` whose forward and
 backward passes are MGRIT solves over the layers each rank owns), `serial` (the plain
 network it computes), `blocks` (both built from one description), `transformer` (the batched
-transformer block), `checkpoint` (checkpoints and export), `clipping` (gradient clipping by
+transformer block), `checkpoint` and `export` (checkpoints, and the plain network out of
+one or a live model), `checks` (what it checks before it solves), `clipping` (gradient clipping by
 the whole network's norm), `defaults` (training's solver settings) and `controller` (how far
 the inexact gradients are from exact ones, and changing the solvers between steps to keep
 them close). The machinery behind them (layer stack, propagators, solvers, ghost layers,
 gradients, keyed random draws) lives in `engine`, which never imports these modules."""
 
-from .checkpoint import CheckpointError, serial_state_dict
+from .checkpoint import CheckpointError
+from .export import serial_state_dict
 from .engine.randomness import Dropout, draws, layer_key
 from .layer_parallel import LayerParallel
 from .controller import Controller, Policy, ProbeResult, Setting, gradient_agreement, probe

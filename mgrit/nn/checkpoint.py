@@ -1,7 +1,6 @@
-"""Getting a layer-parallel network out: checkpoint files (one per rank: its layers,
-opening, closing, optimizer state and warm-start states) that any number of ranks can
-resume from, their export to a plain serial `state_dict`, and the export of a live model
-to the equivalent plain serial network.
+"""Checkpoint files of a layer-parallel network (one per rank: its layers, opening,
+closing, optimizer state and warm-start states) that any number of ranks can resume from;
+their export to a plain serial network is `export`'s.
 
 A checkpoint written on P layer-parallel ranks loads on Q ranks: every loading rank reads
 the layouts of all P files (memory-mapped: their tensors are not read) and slices its own
@@ -25,7 +24,6 @@ from ..core.grid import layer_ranges
 from .engine.atomic import write_atomically
 from .engine.ghosts import placement
 from .engine.passes import Passes
-from .serial import ResidualNetwork, ResidualStep
 
 if TYPE_CHECKING:
     from .layer_parallel import LayerParallel
@@ -86,7 +84,7 @@ def save(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
 
 # reading a checkpoint folder ----------------------------------------------------------
 @dataclass
-class _RankFile:
+class RankFile:
     """One rank's file, read: its path, rank and state (tensors memory-mapped)."""
 
     path: Path
@@ -130,7 +128,7 @@ def _read(path: Path) -> dict[str, Any]:
     return state
 
 
-def _verify(f: _RankFile) -> None:
+def verify(f: RankFile) -> None:
     """Check the CRCs of a file this rank takes tensors from: torch reads a tensor's bytes
     without checking them, so damage inside the data would load as wrong weights."""
     try:
@@ -205,14 +203,14 @@ def _choose_files(directory: Path, ranks: int | None, replicas: int | None, repl
     return count, sets.get(data, {}), data
 
 
-def _read_set(directory: str | os.PathLike, ranks: int | None, replicas: int | None,
-              replica: int, mine: dict[str, Any] | None) -> list[_RankFile]:
+def read_set(directory: str | os.PathLike, ranks: int | None, replicas: int | None,
+              replica: int, mine: dict[str, Any] | None) -> list[RankFile]:
     """All files of one replica's checkpoint, read and checked: each readable, of this
     network (`mine`, the loading model's layout; None: any network but the same in every
     file), named after its rank, and together holding every layer exactly once."""
     directory = Path(directory)
     count, paths, data = _choose_files(directory, ranks, replicas, replica)
-    files = [_RankFile(path, rank, _read(path)) for rank, path in sorted(paths.items())]
+    files = [RankFile(path, rank, _read(path)) for rank, path in sorted(paths.items())]
     for f in files:
         layout = f.state["layout"]
         if mine is None:
@@ -256,8 +254,8 @@ def _spans(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(f"{lo}-{hi}" for lo, hi in merged)
 
 
-def _pieces(files: list[_RankFile], lo: int, hi: int, base: _RankFile
-            ) -> list[tuple[_RankFile, int, int]]:
+def _pieces(files: list[RankFile], lo: int, hi: int, base: RankFile
+            ) -> list[tuple[RankFile, int, int]]:
     """(file, start, stop): the rows of each file that make up layers lo..hi, in order; one
     empty slice of `base` for a rank without layers (it still needs tensors of 0 rows)."""
     out = []
@@ -269,7 +267,7 @@ def _pieces(files: list[_RankFile], lo: int, hi: int, base: _RankFile
     return out or [(base, 0, 0)]
 
 
-def _rows(pieces: list[tuple[_RankFile, int, int]], key: str, like: Tensor) -> Tensor:
+def _rows(pieces: list[tuple[RankFile, int, int]], key: str, like: Tensor) -> Tensor:
     """The stacked model entry `key` of this rank's layers (stacked like `like`), from the
     files holding them."""
     parts = []
@@ -286,8 +284,8 @@ def _rows(pieces: list[tuple[_RankFile, int, int]], key: str, like: Tensor) -> T
     return torch.cat(parts)   # a copy: nothing stays mapped to the file
 
 
-def _model_state(model: LayerParallel, pieces: list[tuple[_RankFile, int, int]],
-                 base: _RankFile) -> dict[str, Tensor]:
+def _model_state(model: LayerParallel, pieces: list[tuple[RankFile, int, int]],
+                 base: RankFile) -> dict[str, Tensor]:
     """This rank's `state_dict`: its layers' rows from the files holding them, the
     replicated entries (opening, closing) from `base`."""
     out = {}
@@ -311,7 +309,7 @@ def _model_state(model: LayerParallel, pieces: list[tuple[_RankFile, int, int]],
 
 
 def _optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
-                     pieces: list[tuple[_RankFile, int, int]], base: _RankFile
+                     pieces: list[tuple[RankFile, int, int]], base: RankFile
                      ) -> dict[str, Any]:
     """An optimizer `state_dict` for this rank. Torch keys per-parameter state by the
     parameter's position in the optimizer's groups, the same on every rank (the same names
@@ -391,7 +389,7 @@ def _assemble(model: LayerParallel, passes: Passes, directory: str | os.PathLike
               optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Everything this rank loads, read and checked but not yet applied."""
     data = model.data_comm
-    files = _read_set(directory, model.comm.size, data.size if data is not None else 1,
+    files = read_set(directory, model.comm.size, data.size if data is not None else 1,
                       data.rank if data is not None else 0, _layout(model))
     partition = layer_ranges(passes.blocks, passes.num_steps)
     same = len(files) == model.comm.size and [f.layers for f in files] == [
@@ -402,7 +400,7 @@ def _assemble(model: LayerParallel, passes: Passes, directory: str | os.PathLike
     lo, hi = model.layer_range
     pieces = _pieces(files, lo, hi, base)
     for f in {id(f): f for f in [base, *(p[0] for p in pieces)]}.values():
-        _verify(f)
+        verify(f)
     out = {"model": _model_state(model, pieces, base),
            "extra": _clone(base.state["extra"]),
            "warm": _clone(base.state["warm"]) if same else None,
@@ -441,61 +439,3 @@ def load(model: LayerParallel, passes: Passes, directory: str | os.PathLike,
         _, device = placement(model.layers)
         passes.set_warm_states(_to(loaded["warm"], device), device)
     return loaded["extra"]
-
-
-def serial_state_dict(directory: str | os.PathLike) -> dict[str, Tensor]:
-    """The `state_dict` of the plain serial network equivalent to the checkpoint in
-    `directory` (what `LayerParallel.to_serial().state_dict()` gives: keys `0.*` for the
-    opening, `{n+1}.f.*` for layer n, `{num_steps+1}.*` for the closing), read in one
-    process without MPI from the files of any number of ranks. Load it into
-    `mgrit.serial_resnet(step, num_steps, t_final, opening, closing)`. Of a data-parallel
-    checkpoint it reads replica 0 (the replicas hold the same weights)."""
-    files = _read_set(directory, None, None, 0, None)
-    for f in files:
-        _verify(f)
-    first = files[0]
-    num_steps = first.state["layout"]["num_steps"]
-    params = {"layers.params." + n.replace(".", "__"): n
-              for n, _ in first.state["layout"]["parameters"]}
-    out: dict[str, Tensor] = {}
-    for key, value in first.state["model"].items():
-        if key.startswith("opening."):
-            out["0." + key[len("opening."):]] = value.clone()
-    # LayerStack stores a step module's tensor `a.b` as `params.a__b` or `buf__a__b`
-    stacked = {key: params.get(key) or key[len("layers.buf__"):].replace("__", ".")
-               for key in first.state["model"] if key.startswith("layers.")}
-    for f in files:
-        a, b = f.layers
-        for n in range(a, b + 1):
-            for key, name in stacked.items():
-                out[f"{n + 1}.f.{name}"] = f.state["model"][key][n - a].clone()
-    for key, value in first.state["model"].items():
-        if key.startswith("closing."):
-            out[f"{num_steps + 1}." + key[len("closing."):]] = value.clone()
-    return out
-
-
-def to_serial(model: LayerParallel) -> ResidualNetwork | None:
-    """The equivalent plain network on rank 0 (see `LayerParallel.to_serial`), None on the
-    other ranks; every rank takes part (its layers are gathered)."""
-    layers = model.layers
-    lo, hi = model.layer_range
-    mine = {n: {k: v.detach().clone() for k, v in layers.layer_tensors(n).items()}
-            for n in range(lo, hi + 1)}
-    gathered = model.comm.gather_object(mine, 0)
-    if model.comm.rank != 0:
-        return None
-    tensors: dict[int, dict[str, Tensor]] = {}
-    for part in gathered:
-        tensors.update(part)
-    requires_grad = [layers.params[n.replace(".", "__")].requires_grad for n in layers.names]
-    steps = []
-    for n in range(model.num_steps):
-        f = copy.deepcopy(layers.template)
-        for name, value in tensors[n].items():
-            target = f.get_parameter(name) if name in layers.names else f.get_buffer(name)
-            target.data = value.clone()
-        for p, ref in zip(f.parameters(), requires_grad):
-            p.requires_grad_(ref)
-        steps.append(ResidualStep(f, model.h, n))
-    return ResidualNetwork(copy.deepcopy(model.opening), *steps, copy.deepcopy(model.closing))

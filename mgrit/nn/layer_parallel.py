@@ -3,7 +3,8 @@ MGRIT forward and backward (adjoint) inside ordinary PyTorch autograd.
 
 It composes the parts of that job: the two solves (`passes`), the copies of other ranks'
 layers that coarse steps use (`ghosts`), the parameter gradients (`gradients`), and
-checkpoints and export (`checkpoint`)."""
+checkpoints (`checkpoint`) and export (`export`); `checks` holds what it checks before
+it solves."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from torch import Tensor, nn
 
 from ..comm import Comm, as_comm
 from ..core.config import Config
-from ..core.grid import LevelGrid, build_hierarchy, layer_ranges, level0_blocks
-from . import checkpoint, clipping
+from ..core.grid import layer_ranges, level0_blocks
+from . import checkpoint, clipping, export
+from .checks import check_inputs, level_grids
 from .defaults import training_config
 from .engine.ghosts import GhostExchange
 from .engine.gradients import average_gradients, context_gradients, layer_gradients
@@ -128,7 +130,7 @@ class LayerParallel(nn.Module):
         self.inference_config = (inference if inference is not None else
                                  replace(self.forward_config, levels=1, tol=0.0, max_iter=1,
                                          initial_guess="zero"))
-        grids = {kind: _grids(kind, cfg, num_steps) for kind, cfg in
+        grids = {kind: level_grids(kind, cfg, num_steps) for kind, cfg in
                  (("forward", self.forward_config), ("backward", self.backward_config),
                   ("inference", self.inference_config))}
         self.comm = as_comm(comm)
@@ -184,47 +186,6 @@ class LayerParallel(nn.Module):
         replica = self.data_comm.rank if self.data_comm is not None else 0
         self.layers.draw_seed = seed + replica * (1 << 48)
 
-    def _check_state(self, u0: Tensor, context: dict[str, Tensor]) -> None:
-        """One agreement between ranks on what they were given, then local checks (every
-        rank reaches the same verdict, so all raise or none does)."""
-        described = tuple((name, tuple(v.shape), str(v.dtype), v.requires_grad)
-                          if isinstance(v, Tensor) else (name, type(v).__name__)
-                          for name, v in sorted(context.items()))
-        # whether u0 requires grad decides whether the backward pass broadcasts dL/du0 (a
-        # collective): ranks that differed there would wait for each other for ever
-        self.comm.agree("input batch shape and dtype, whether it requires grad, and "
-                        "context inputs",
-                        (tuple(u0.shape), str(u0.dtype), u0.requires_grad, described))
-        for name, value in context.items():
-            if not isinstance(value, Tensor):
-                raise TypeError(f"context input {name!r} must be a tensor, got "
-                                f"{type(value).__name__}: pass other settings to the step "
-                                "module's constructor")
-            if value.device != u0.device:
-                raise ValueError(f"context input {name!r} is on {value.device}, the state on "
-                                 f"{u0.device}")
-        key = (tuple(u0.shape), u0.dtype, described, self.training)
-        if key not in self._checked_shapes:
-            layers = self.layers
-            with torch.no_grad():
-                try:
-                    out = layers.f(layers.placeholder(), u0.detach())
-                except TypeError as err:
-                    if not context:
-                        raise
-                    raise ValueError(f"the step module does not take the context inputs "
-                                     f"{sorted(context)} as keyword arguments of its forward "
-                                     f"({err})") from None
-            if not isinstance(out, Tensor) or out.shape != u0.shape or out.dtype != u0.dtype:
-                got = (f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor)
-                       else type(out).__name__)
-                raise ValueError(f"the step module maps a state of shape {tuple(u0.shape)}, "
-                                 f"dtype {u0.dtype} to {got}; a residual step needs the same "
-                                 "shape and dtype")
-            if self.training and not layers.batched and not layers.torch_random:
-                layers.torch_random = _draws_from_generator(layers, u0)
-            self._checked_shapes.add(key)
-
     # solver options between steps ------------------------------------------------------
     def set_solvers(self, forward: Config | None = None, backward: Config | None = None
                     ) -> None:
@@ -237,7 +198,7 @@ class LayerParallel(nn.Module):
         backward pass through a forward pass taken before the change is refused."""
         forward = self.forward_config if forward is None else forward
         backward = self.backward_config if backward is None else backward
-        grids = {kind: _grids(kind, cfg, self.num_steps)
+        grids = {kind: level_grids(kind, cfg, self.num_steps)
                  for kind, cfg in (("forward", forward), ("backward", backward))}
         self.comm.agree("solver options of set_solvers",
                         tuple(tuple(sorted(cfg.describe().items()))
@@ -261,7 +222,7 @@ class LayerParallel(nn.Module):
         are the probe's to compare with)."""
         key = tuple(tuple(sorted(cfg.describe().items())) for cfg in (forward, backward))
         if self._probe is None or self._probe[0] != key:
-            grids = {kind: _grids(kind, cfg, self.num_steps)
+            grids = {kind: level_grids(kind, cfg, self.num_steps)
                      for kind, cfg in (("forward", forward), ("backward", backward))}
             self.comm.agree("solver options of a probe", key)
             strides = [g.stride for g in grids["backward"]]
@@ -343,7 +304,7 @@ class LayerParallel(nn.Module):
         if not isinstance(u0, Tensor):
             raise TypeError(f"the opening must return a tensor, got {type(u0).__name__}")
         self.layers.context = context
-        self._check_state(u0, context)
+        check_inputs(self, u0, context)
         self._fill_tied_rows()
         params = (self._tied.parameters() if self._tied is not None
                   else list(self.layers.params.values()))
@@ -386,7 +347,7 @@ class LayerParallel(nn.Module):
         """The equivalent plain network (opening, ResidualStep layers, closing) on rank 0,
         None on the other ranks. Runs without MPI and gives the same outputs."""
         self._fill_tied_rows()
-        return checkpoint.to_serial(self)
+        return export.to_serial(self)
 
     def checkpoint_path(self, directory: str | os.PathLike) -> Path:
         return checkpoint.checkpoint_path(self, directory)
@@ -420,38 +381,3 @@ class LayerParallel(nn.Module):
         lo, hi = self.layer_range
         return (f"num_steps={self.num_steps}, t_final={self.t_final}, rank {self.comm.rank} of "
                 f"{self.comm.size} owns layers {lo}..{hi}")
-
-
-def _grids(kind: str, cfg: Any, num_steps: int) -> list[LevelGrid]:
-    """The level grids of a pass's options, which must suit training and the layers."""
-    if not isinstance(cfg, Config):
-        raise TypeError(f"{kind} must be a mgrit.Config, got {type(cfg).__name__}")
-    if isinstance(cfg.initial_guess, Tensor):
-        raise ValueError(f"{kind}: a tensor initial guess makes no sense for training; "
-                         "use 'zero', 'nested' or 'warm'")
-    grids = build_hierarchy(num_steps, cfg.coarsening_list(), cfg.levels, cfg.min_coarse)
-    if len(grids) < cfg.levels:
-        sizes = [g.num_steps for g in grids]
-        raise ValueError(
-            f"num_steps={num_steps} is too small for the {kind} solver's levels="
-            f"{cfg.levels} with coarsening {cfg.coarsening} and min_coarse="
-            f"{cfg.min_coarse}: the levels would have {sizes} steps; use fewer levels, "
-            "a smaller coarsening or more layers")
-    return grids
-
-
-def _draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:
-    """Whether the step module draws from torch's generator in training mode (beyond the
-    keyed `Dropout`s): it then fails vmap's randomness check. Such modules run layer by
-    layer, each seeded with its key (`mgrit.nn.engine.module_strategy`)."""
-    from torch.func import vmap
-
-    from .engine import randomness as draws
-
-    placeholder = layers.placeholder()
-    try:
-        with torch.no_grad(), draws.keyed(0):
-            vmap(lambda u: layers.f(placeholder, u), randomness="error")(u0.detach()[None])
-    except RuntimeError as err:
-        return "random" in str(err)
-    return False
