@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from mgrit.app.data import digits
 from mgrit.app.loop import evaluate, train_epoch, train_step
 from mgrit.core.config import Config
-from mgrit.kernels.choice import torch_kernels
 from mgrit.nn import LayerParallel, draws
 from mgrit.nn.defaults import training_config
 from mgrit.kernels.strategies import is_dense_tanh
@@ -37,12 +36,13 @@ def sequential_variant(work: TrainingWorkload) -> TrainingWorkload:
                    backward=replace(sequential, execution=work.backward.execution))
 
 
-def build(work: TrainingWorkload, seed: int = 0, comm: Any = None
-          ) -> tuple[LayerParallel, nn.Sequential]:
-    """(layer-parallel model, serial network) with the same initial weights."""
+def build(work: TrainingWorkload, seed: int = 0, comm: Any = None,
+          kernels: str | None = None) -> tuple[LayerParallel, nn.Sequential]:
+    """(layer-parallel model computing with `kernels`, serial network) with the same
+    initial weights."""
     torch.manual_seed(seed)
     model = work.network().layer_parallel(forward=work.forward, backward=work.backward,
-                                          comm=comm)
+                                          comm=comm, kernels=kernels)
     torch.manual_seed(seed)
     return model, work.network().serial()
 
@@ -112,9 +112,9 @@ def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
             "forward": median_seconds(forward_fn(serial, x), repeats)}
 
 
-def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None
-                         ) -> dict[str, Any]:
-    model, _ = build(work, comm=comm)
+def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
+                         kernels: str | None = None) -> dict[str, Any]:
+    model, _ = build(work, comm=comm, kernels=kernels)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     barrier = comm.Barrier if comm is not None else (lambda: None)
     step = median_seconds(train_step_fn(model, work, x, y), repeats, barrier)
@@ -130,14 +130,13 @@ SEQUENTIAL = "sequential stepping, mgrit kernels"
 def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None
                            ) -> dict[str, dict[str, Any]]:
     """The layer-parallel model's times; for a network whose layers have native kernels
-    (convolutions, dense tanh steps) also with torch's kernels only (MGRIT_NATIVE=torch),
+    (convolutions, dense tanh steps) also with torch's kernels only (kernels="torch"),
     which is how much of its speed those kernels give."""
     out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
            SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
     step = work.network().step()
     if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
-        with torch_kernels():
-            out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm)
+        out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm, kernels="torch")
     return out
 
 

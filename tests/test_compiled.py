@@ -1,5 +1,5 @@
-"""Compiled relaxation phases (MGRIT_NATIVE=auto) against their twin, the same native
-kernels called step by step from Python (MGRIT_NATIVE=kernels), and against torch's kernels:
+"""Compiled relaxation phases (kernels="auto") against their twin, the same native kernels
+called step by step from Python (kernels="kernels"), and against torch's kernels:
 the phase kernels on random operands, and layer-parallel training on random shapes on 1-4
 virtual ranks (forward, adjoint, parameter gradients; float64 and float32). The phase
 tests on random operands also take torch's planned phases (`TorchDense`, whose training
@@ -158,19 +158,19 @@ def test_a_phase_declines_operands_the_kernels_cannot_read(name, request):
     assert kernels.program([], 0.1, False) is None
 
 
-def _network(width, layers, seed, dtype, comm, config):
+def _network(width, layers, seed, dtype, comm, config, kernels=None):
     torch.manual_seed(seed)
     model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(width, width), nn.Tanh()),
                                 layers, 1.0, forward=config, backward=config, comm=comm,
-                                opening=nn.Linear(3, width), closing=nn.Linear(width, 2))
+                                opening=nn.Linear(3, width), closing=nn.Linear(width, 2),
+                                kernels=kernels)
     return model.to(dtype)
 
 
 def _train(mode, ranks, case, dtype, monkeypatch, counts=None):
     """Outputs and gradients of two training steps of a random dense tanh network on
-    `ranks` virtual ranks with MGRIT_NATIVE=mode, every rank's, in order."""
+    `ranks` virtual ranks with kernels=mode, every rank's, in order."""
     width, batch, layers, levels, m, relax, seed = case
-    monkeypatch.setenv("MGRIT_NATIVE", mode)
     config = mgrit.Config(levels=levels, coarsening=m, relax=relax, max_iter=2, tol=0.0,
                           min_coarse=1)
     gen = torch.Generator().manual_seed(seed)
@@ -178,7 +178,7 @@ def _train(mode, ranks, case, dtype, monkeypatch, counts=None):
     y = torch.randint(0, 2, (batch,), generator=gen)
 
     def program(comm):
-        model = _network(width, layers, seed, dtype, comm, config)
+        model = _network(width, layers, seed, dtype, comm, config, mode)
         results = []
         for _ in range(2):
             out = model(x)

@@ -92,7 +92,7 @@ def test_the_strategies_mgrit_chooses_meet_the_contract():
         assert contract.has_phases(strategy) == hasattr(cls, "program"), cls
     assert contract.has_phases(strategies.TorchDenseSteps.__new__(strategies.TorchDenseSteps))
     chosen = strategies.chain_steps(chain, torch.Size([3, 4]), torch.float64,
-                                    torch.device("cpu"), False)
+                                    torch.device("cpu"), "torch")
     assert contract.has_phases(chosen)
 
 

@@ -290,8 +290,8 @@ def _counted_kernels(monkeypatch, twins: bool) -> dict[str, int]:
     if twins:
         choose = nn_steps.chain_steps
         monkeypatch.setattr(nn_steps, "chain_steps",
-                            lambda chain, shape, dtype, device, native:
-                            choose(chain, shape, dtype, torch.device("cuda"), native))
+                            lambda chain, shape, dtype, device, backend:
+                            choose(chain, shape, dtype, torch.device("cuda"), backend))
         monkeypatch.setattr(cuda, "available", lambda: True)
     return calls
 
@@ -313,7 +313,8 @@ def _dense_network_run(solves: str, device: str, ranks: int) -> list[dict]:
     forward, backward = SOLVES[solves]
 
     def program(comm):
-        model, serial = build_networks("dense", 16, forward, backward, comm=comm)
+        model, serial = build_networks("dense", 16, forward, backward, comm=comm,
+                                       kernels="torch")
         model, serial = model.to(device), serial.to(device)
         x, y = (t.to(device) for t in data("dense", 4))
         mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -345,7 +346,6 @@ def test_layer_parallel_on_the_cuda_path_matches_autograd_and_torch_kernels(
     gradient and every parameter gradient equal serial autograd's to round-off. Every
     solve: those and the residual histories equal the same solves' on torch's kernels
     (CPU). Both passes chose the CUDA strategy, and with several levels both kernels ran."""
-    monkeypatch.setenv("MGRIT_NATIVE", "torch")
     plain = _dense_network_run(solves, "cpu", ranks)
     calls = _counted_kernels(monkeypatch, twins=device == "cpu")
     results = _dense_network_run(solves, device, ranks)

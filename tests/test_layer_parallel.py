@@ -466,13 +466,12 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
     backward solve. Where the forward pass kept no op outputs for its layer, they are
     computed at the step's first use and reused at the next (F-relaxation before and after
     the coarse correction, C-relaxation, the residual): fewer evaluations, the same
-    gradients to rounding. (Step by step, MGRIT_NATIVE=kernels: the evaluations are
+    gradients to rounding. (Step by step, kernels="kernels": the evaluations are
     counted in torch's chain kernels, which compiled phases do not call.)"""
     from mgrit.kernels import chain as kernels
     from mgrit.nn.engine.adjoint import AdjointPropagator
     from mgrit.nn.engine.propagators import NetworkPropagator
 
-    monkeypatch.setenv("MGRIT_NATIVE", "kernels")
     monkeypatch.setattr(NetworkPropagator, "final_sweep", lambda self, active: None)
     fwd = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=2,
                        min_coarse=1, execution=execution)
@@ -487,7 +486,7 @@ def test_coarse_adjoint_steps_evaluate_f_once_per_backward_solve(kind, execution
                 begin(self)
                 self._computed = _Forgetful()
             monkeypatch.setattr(AdjointPropagator, "begin", forgetful_begin)
-        model, _ = build(kind, 16, fwd, bwd)
+        model, _ = build(kind, 16, fwd, bwd, kernels="kernels")
         x, y = data(kind, 4)
         loss = nn.functional.cross_entropy(model(x), y)
         calls = []
@@ -513,13 +512,10 @@ def test_an_adjoint_batch_with_one_nonzero_entry_takes_the_single_step(kind, mon
     numbers as autograd on the layer. (With torch's chain kernels: the native ones take a
     whole batch in C, zero entries included.)"""
     from mgrit.core.propagator import StepBatch
-    from mgrit.kernels import strategies
     from mgrit.kernels.strategies import ChainSteps
     from mgrit.nn.engine.adjoint import AdjointPropagator
 
-    monkeypatch.setenv("MGRIT_NATIVE", "torch")
-    monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
-    model, _ = build(kind, 16)
+    model, _ = build(kind, 16, kernels="torch-steps")
     x, _ = data(kind, 4)
     shape = model.opening(x).shape
     gen = torch.Generator().manual_seed(3)

@@ -186,7 +186,7 @@ def test_operands_that_autograd_tracks_go_to_torch(monkeypatch):
     monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
     monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: True)
     w.requires_grad_()
-    y = chain._conv2d(x, w, b, (2, 2))
+    y = chain._conv2d(x, w, b, (2, 2), True)
     y.sum().backward()
     ref = torch.nn.grad.conv2d_weight(x, w.shape, torch.ones_like(y), padding=2)
     assert torch.allclose(w.grad, ref, rtol=1e-12, atol=1e-12)
@@ -218,19 +218,33 @@ def test_mgrit_conv_selects_torch_and_refuses_unknown_values(monkeypatch):
     x, w, b, _ = _operands(SHAPES[0], torch.float32)
     monkeypatch.setattr(choice, "_NATIVE_CHOICE", {})
     monkeypatch.setattr(choice, "_native_faster", lambda fns, operands: True)
+    # native kernels not allowed (a network's kernels="torch"): torch's, nothing timed
+    assert torch.equal(chain._conv2d(x, w, b, (1, 1), False), F.conv2d(x, w, b, padding=1))
+    assert choice._NATIVE_CHOICE == {}
+    # the argument wins over the environment, which is only the default
     monkeypatch.setenv("MGRIT_NATIVE", "torch")
     assert choice.native_backend() == "torch"
-    assert torch.equal(chain._conv2d(x, w, b, (1, 1)), F.conv2d(x, w, b, padding=1))
-    assert choice._NATIVE_CHOICE == {}          # nothing was timed
+    assert choice.native_backend("kernels") == "kernels"
     monkeypatch.setenv("MGRIT_NATIVE", "fast")
-    with pytest.raises(ValueError, match="expected one of auto, kernels, torch"):
+    with pytest.raises(ValueError, match="expected one of auto, kernels, torch, torch-steps"):
         choice.native_backend()
+    with pytest.raises(ValueError, match="kernels='native': expected one of auto, kernels"):
+        choice.native_backend("native")
     monkeypatch.delenv("MGRIT_NATIVE")
     torch.use_deterministic_algorithms(True)
     try:
         assert choice.native_backend() == "torch"
+        assert choice.native_backend("kernels") == "torch"
+        assert choice.native_backend("torch-steps") == "torch-steps"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_network_refuses_an_unknown_kernels_choice_before_any_work(monkeypatch):
+    built = []
+    with pytest.raises(ValueError, match="kernels='fast': expected one of auto, kernels, torch"):
+        mgrit.LayerParallel(lambda: built.append(1) or nn.Linear(4, 4), 4, kernels="fast")
+    assert built == []               # no layer was made
 
 
 def _child(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -243,7 +257,8 @@ def test_without_a_compiler_the_layer_kernels_use_torch(tmp_path):
             "from mgrit.kernels import chain, choice, native\n"
             "x, w = torch.randn(50, 3, 28, 28), torch.randn(3, 3, 3, 3)\n"
             "assert not native.available()\n"
-            "assert torch.equal(chain._conv2d(x, w, None, (1, 1)), F.conv2d(x, w, padding=1))\n"
+            "assert torch.equal(chain._conv2d(x, w, None, (1, 1), True),\n"
+            "                   F.conv2d(x, w, padding=1))\n"
             "assert not any(choice._NATIVE_CHOICE.values())\n"
             "try:\n    native.conv2d(x, w)\nexcept RuntimeError as err:\n    print(err)\n")
     proc = _child(code, CC=str(tmp_path / "no-such-cc"), MGRIT_CACHE_DIR=str(tmp_path))
@@ -363,19 +378,21 @@ def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(na
     from benchmarks import training as bench_train
 
     seen = []
-    monkeypatch.setattr(bench_train, "layer_parallel_times",
-                        lambda work, repeats, comm=None: seen.append(
-                            (choice.native_backend(), os.environ.get("MGRIT_NATIVE"),
-                             work.forward.levels, work.backward.levels)) or {})
+    build = bench_train.build
+    monkeypatch.setattr(bench_train, "build",
+                        lambda work, comm=None, kernels=None: seen.append(
+                            (kernels, os.environ.get("MGRIT_NATIVE"), work.forward.levels,
+                             work.backward.levels)) or build(work, comm=comm, kernels=kernels))
+    monkeypatch.setattr(bench_train, "median_seconds", lambda fn, repeats, barrier: 0.0)
     monkeypatch.setenv("MGRIT_NATIVE", "auto")
     work = bench_train.TRAINING_WORKLOADS[name]()
     out = bench_train.layer_parallel_methods(work, 1)
     assert list(out) == methods
     levels = (work.forward.levels, work.backward.levels)
-    # the sequential row steps through the same code with one level each way
-    assert seen == [("auto", "auto", *levels), ("auto", "auto", 1, 1),
-                    ("torch", "torch", *levels)]
-    assert os.environ["MGRIT_NATIVE"] == "auto"
+    # the sequential row steps through the same code with one level each way; the torch
+    # row asks for torch's kernels by argument and leaves the environment alone
+    assert seen == [(None, "auto", *levels), (None, "auto", 1, 1),
+                    ("torch", "auto", *levels)]
 
 
 @needs_native
@@ -505,15 +522,14 @@ def test_dense_networks_agree_with_and_without_the_native_steps(backend, monkeyp
     adjoint's recorded gradients) of a dense tanh network, float64: output and gradients
     with the native kernels equal those of torch's kernels to rounding; the native kernels
     ran for single and batched forward steps, single adjoint steps and adjoint batches, and
-    only where MGRIT_NATIVE allows them ("kernels": step by step, the twin of the compiled
+    only where the network's `kernels` allow them ("kernels": step by step, the twin of the compiled
     phases that tests/test_compiled.py checks)."""
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
     results = {}
     for mode in ("torch", backend):
-        monkeypatch.setenv("MGRIT_NATIVE", mode)
         calls = _count_native(monkeypatch) if mode == backend else []
-        model, _ = build("dense", 17, config, config)
+        model, _ = build("dense", 17, config, config, kernels=mode)
         out = model(x)
         nn.functional.cross_entropy(out, y).backward()
         results[mode] = [out.detach()] + [p.grad for p in model.parameters()]
@@ -577,7 +593,7 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
     """On 3 virtual ranks, where the adjoint's final sweep marches the F-points that a rank
     shares with the previous one (recorded single steps): output and every rank's
     gradients with the native kernels equal those of torch's kernels to rounding, and the
-    recorded single steps ran natively (step by step, MGRIT_NATIVE=kernels: compiled
+    recorded single steps ran natively (step by step, kernels="kernels": compiled
     phases record them in one call, tests/test_compiled.py)."""
     config = mgrit.Config(levels=2, coarsening=3, max_iter=1, tol=0.0)
     x, y = data("dense", 4)
@@ -586,17 +602,17 @@ def test_dense_networks_on_several_ranks_agree_with_and_without_the_native_steps
     monkeypatch.setattr(strategies.NativeDenseSteps, "record_single_into",
                         lambda self, *a: recorded.append(original(self, *a)) or recorded[-1])
 
-    def program(comm):
-        model, _ = build("dense", 17, config, config, comm=comm)
+    def program(comm, mode):
+        model, _ = build("dense", 17, config, config, comm=comm, kernels=mode)
         out = model(x)
         nn.functional.cross_entropy(out, y).backward()
         return [out.detach()] + [p.grad for p in model.parameters()]
 
     results = {}
     for mode in ("torch", "kernels"):
-        monkeypatch.setenv("MGRIT_NATIVE", mode)
         recorded.clear()
-        results[mode] = [t for rank in run_ranks(3, program) for t in rank]
+        results[mode] = [t for rank in run_ranks(3, lambda comm: program(comm, mode))
+                         for t in rank]
         assert (recorded != []) == (mode == "kernels")
         assert all(dp is not None for dp in recorded)
     assert relative(list(zip(results["kernels"], results["torch"]))) <= 1e-12
@@ -686,8 +702,9 @@ def test_dense_kernels_are_right_at_their_width_limit_and_refuse_past_it(dtype, 
 def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_them(
         dtype, tol, monkeypatch):
     """`chain_steps` takes the native dense steps for states of at most
-    DENSE_NATIVE_MAX_VALUES values (and where MGRIT_NATIVE allows them; else the same
-    steps on torch's kernels, `TorchDenseSteps`), torch's chain kernels past that; its
+    DENSE_NATIVE_MAX_VALUES values (where the kernels choice allows them; else the same
+    steps on torch's kernels, `TorchDenseSteps`, or "torch-steps" their twin
+    `ChainSteps`), torch's chain kernels past that; its
     batches of forward steps run natively up to the kernels' `max_batch`
     values (DENSE_NATIVE_MAX_BATCH with a scalar tanh, no limit with glibc's vector one)
     and on torch past that. Either way a batch equals the step in float64."""
@@ -695,16 +712,19 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
     chain = Chain.of(nn.Sequential(nn.Linear(d, d), nn.Tanh()))
     at = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d, d])
     past = torch.Size([dense.DENSE_NATIVE_MAX_VALUES // d + 1, d])
-    assert type(strategies.chain_steps(chain, at, dtype, cpu, True)) is strategies.NativeDenseSteps
-    assert type(strategies.chain_steps(chain, past, dtype, cpu, True)) is strategies.ChainSteps
-    assert type(strategies.chain_steps(chain, at, dtype, cpu, False)) is strategies.TorchDenseSteps
-    assert type(strategies.chain_steps(chain, past, dtype, cpu, False)) is strategies.ChainSteps
-    monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
-    assert type(strategies.chain_steps(chain, at, dtype, cpu, False)) is strategies.ChainSteps
-    monkeypatch.undo()
+    for backend in ("auto", "kernels"):
+        assert type(strategies.chain_steps(chain, at, dtype, cpu, backend)) is (
+            strategies.NativeDenseSteps)
+        assert type(strategies.chain_steps(chain, past, dtype, cpu, backend)) is (
+            strategies.ChainSteps)
+    assert type(strategies.chain_steps(chain, at, dtype, cpu, "torch")) is (
+        strategies.TorchDenseSteps)
+    assert type(strategies.chain_steps(chain, past, dtype, cpu, "torch")) is strategies.ChainSteps
+    assert type(strategies.chain_steps(chain, at, dtype, cpu, "torch-steps")) is (
+        strategies.ChainSteps)
 
     rows = 4
-    strategy = strategies.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, True)
+    strategy = strategies.chain_steps(chain, torch.Size([rows, d]), dtype, cpu, "auto")
     calls = _count_native(monkeypatch)
     limit = strategy.kernels.max_batch
     assert limit == (math.inf if native.vector_tanh() else dense.DENSE_NATIVE_MAX_BATCH)

@@ -1,4 +1,4 @@
-"""Relaxation phases of narrow dense tanh layers on torch's kernels (MGRIT_NATIVE=torch):
+"""Relaxation phases of narrow dense tanh layers on torch's kernels (kernels="torch"):
 `TorchDense` against `ChainSteps`, whose operations it makes into given tensors; its
 planned phases (`TorchProgram`) against their steps taken one by one (with the native
 programs' tests of test_compiled.py, which take both kernels); layer-parallel
@@ -92,10 +92,9 @@ def test_training_with_planned_phases_equals_chain_steps(ranks, dtype, monkeypat
         planned = _train("torch", ranks, case, dtype, monkeypatch)
         kinds |= {("adjoint" if p._adjoint else "forward", len(p._steps[0])) for p in ran}
         assert ran, case
-        monkeypatch.setattr(propagators, "compiled_phases", lambda: False)
+        monkeypatch.setattr(propagators, "compiled_phases", lambda backend: False)
         stepwise = _train("torch", ranks, case, dtype, monkeypatch)
-        monkeypatch.setattr(strategies, "TORCH_PROGRAMS", False)
-        plain = _train("torch", ranks, case, dtype, monkeypatch)
+        plain = _train("torch-steps", ranks, case, dtype, monkeypatch)
         monkeypatch.undo()
         monkeypatch.setattr(dense.TorchProgram, "__call__", count)
         assert len(planned) == len(stepwise) == len(plain)

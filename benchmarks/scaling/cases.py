@@ -3,9 +3,11 @@ the model each rank builds for them, and how a repeated time is read."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -74,6 +76,24 @@ CHECKS = {"w2": CURVES["w2"], "w1": ScalingCase("w1", "w1", 32, costed=True, pro
 SERIAL_DEPTHS = {"w2": (256, 1024), "w1-1024": (64, 128), "w4": (16, 32), "w5": (8, 16),
                  "w4-1024": (64, 128)}
 W0_PROCESSES = 3
+
+
+@contextlib.contextmanager
+def torch_kernels() -> Iterator[None]:
+    """Torch's kernels only while the context is entered (MGRIT_NATIVE=torch), for the
+    study's MPI launches, its worker processes and the models it builds in-process through
+    several layers of its own code; the variable's previous value comes back after. The
+    library takes its choice by argument (`LayerParallel(kernels=...)`): this switch is
+    the study's, whose methods must all compute on torch's kernels."""
+    saved = os.environ.get("MGRIT_NATIVE")
+    os.environ["MGRIT_NATIVE"] = "torch"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MGRIT_NATIVE"]
+        else:
+            os.environ["MGRIT_NATIVE"] = saved
 
 
 def fastest(times: Iterable[float]) -> float:

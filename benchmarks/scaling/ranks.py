@@ -32,11 +32,10 @@ import torch
 
 from mgrit.app import launch
 from mgrit.app.replay import Interconnect
-from mgrit.kernels.choice import torch_kernels
 
 from ..baselines import LayerwiseModelParallel
 from ..training import build, forward_fn, train_step_fn
-from .cases import CHECKS, ScalingCase, fastest
+from .cases import CHECKS, ScalingCase, fastest, torch_kernels
 from .validation import compare, network_from, validation_record
 from .virtual import _fastest, virtual_point
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from mgrit.app.replay import Interconnect, replay
-from mgrit.kernels.choice import torch_kernels
 
 from ..work import ratios, step_work
-from .cases import CHECKS, CURVES, SERIAL_DEPTHS, TRANSFORMER_CURVES, ScalingCase
+from .cases import (CHECKS, CURVES, SERIAL_DEPTHS, TRANSFORMER_CURVES, ScalingCase,
+                    torch_kernels)
 from .serial import fastest_serial, layerwise_traces, serial_costs, serial_seconds
 from .validation import VALIDATED, network_from, validation
 from .virtual import fastest_points, fresh

@@ -24,10 +24,10 @@ from mgrit.app.replay import Event, Interconnect, Prediction, replay
 from mgrit.comm import Comm
 from mgrit.comm.tracing import Tracer, TracingComm
 from mgrit.comm.virtual import run_ranks
-from mgrit.kernels.choice import torch_kernels
 
 from ..workloads import TrainingWorkload, w0_workload
-from .cases import W0_PROCESSES, ScalingCase, fastest, setup, shared_model, traced_step
+from .cases import (W0_PROCESSES, ScalingCase, fastest, setup, shared_model, torch_kernels,
+                    traced_step)
 
 T = TypeVar("T")
 

@@ -70,7 +70,8 @@ class _Linear:
         return torch.matmul(g, t[self.weight])
 
 
-def _conv2d(x: Tensor, w: Tensor, b: Tensor | None, padding: tuple[int, int]) -> Tensor:
+def _conv2d(x: Tensor, w: Tensor, b: Tensor | None, padding: tuple[int, int],
+            native_allowed: bool | None) -> Tensor:
     """A 'same' stride-1 convolution, native or torch's (`_native_chosen`)."""
     def ours(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return native.conv2d(x, w, b)
@@ -78,10 +79,12 @@ def _conv2d(x: Tensor, w: Tensor, b: Tensor | None, padding: tuple[int, int]) ->
     def theirs(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return F.conv2d(x, w, b, padding=padding)
 
-    return (ours if _native_chosen("conv2d", (ours, theirs), (x, w, b)) else theirs)(x, w, b)
+    chosen = _native_chosen("conv2d", (ours, theirs), (x, w, b), native_allowed)
+    return (ours if chosen else theirs)(x, w, b)
 
 
-def _conv2d_weight(x: Tensor, w: Tensor, g: Tensor, padding: tuple[int, int]) -> Tensor:
+def _conv2d_weight(x: Tensor, w: Tensor, g: Tensor, padding: tuple[int, int],
+                   native_allowed: bool | None) -> Tensor:
     """The gradient of _conv2d(x, w) with respect to w for the output cotangent g."""
     def ours(x: Tensor, w: Tensor, g: Tensor) -> Tensor:
         return native.conv2d_weight(x, w.shape, g)
@@ -89,8 +92,8 @@ def _conv2d_weight(x: Tensor, w: Tensor, g: Tensor, padding: tuple[int, int]) ->
     def theirs(x: Tensor, w: Tensor, g: Tensor) -> Tensor:
         return torch.nn.grad.conv2d_weight(x, w.shape, g, padding=padding)
 
-    return (ours if _native_chosen("conv2d_weight", (ours, theirs), (x, w, g))
-            else theirs)(x, w, g)
+    chosen = _native_chosen("conv2d_weight", (ours, theirs), (x, w, g), native_allowed)
+    return (ours if chosen else theirs)(x, w, g)
 
 
 class _Conv2d:
@@ -101,32 +104,39 @@ class _Conv2d:
 
     fresh_output = True
 
-    def __init__(self, weight: str, bias: str | None, padding: tuple[int, int]) -> None:
+    def __init__(self, weight: str, bias: str | None, padding: tuple[int, int],
+                 native_allowed: bool | None = None) -> None:
         self.weight, self.bias, self.padding = weight, bias, padding
+        # whether native convolutions may run (None: as MGRIT_NATIVE has it)
+        self.native_allowed = native_allowed
 
     def forward(self, t: dict[str, Tensor], x: Values) -> list[Tensor]:
         w, b = t[self.weight], t[self.bias] if self.bias else None
-        return [_conv2d(x[i], w[i], None if b is None else b[i], self.padding)
+        return [_conv2d(x[i], w[i], None if b is None else b[i], self.padding, self.native_allowed)
                 for i in range(len(x))]
 
     def single(self, t: dict[str, Tensor], x: Tensor) -> Tensor:
-        return _conv2d(x, t[self.weight], t[self.bias] if self.bias else None, self.padding)
+        return _conv2d(x, t[self.weight], t[self.bias] if self.bias else None, self.padding,
+                       self.native_allowed)
 
     def backward(self, t: dict[str, Tensor], x: Values, y: Values, g: Values,
                  grads: dict[str, Tensor] | None, need_input: bool) -> list[Tensor] | None:
         w = t[self.weight]
         if grads is not None:
-            grads[self.weight] = torch.stack([_conv2d_weight(x[i], w[i], g[i], self.padding)
+            grads[self.weight] = torch.stack([_conv2d_weight(x[i], w[i], g[i], self.padding,
+                                                             self.native_allowed)
                                               for i in range(len(x))])
             if self.bias:
                 grads[self.bias] = torch.stack([g[i].sum((0, 2, 3)) for i in range(len(x))])
         if not need_input:
             return None
-        return [_conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), None, self.padding)
+        return [_conv2d(g[i], w[i].transpose(0, 1).flip(2, 3), None, self.padding,
+                        self.native_allowed)
                 for i in range(len(x))]
 
     def single_backward(self, t: dict[str, Tensor], g: Tensor) -> Tensor:
-        return _conv2d(g, t[self.weight].transpose(0, 1).flip(2, 3), None, self.padding)
+        return _conv2d(g, t[self.weight].transpose(0, 1).flip(2, 3), None, self.padding,
+                       self.native_allowed)
 
 
 class _Activation:
@@ -215,6 +225,12 @@ class Chain:
         if not ops or any(op is None for op in ops) or any(True for _ in template.buffers()):
             return None
         return cls(ops)
+
+    def allowing_native(self, allowed: bool) -> "Chain":
+        """The same chain with its convolutions told whether native kernels may run (a
+        network's `kernels` choice), rather than reading MGRIT_NATIVE at every call."""
+        return Chain([_Conv2d(op.weight, op.bias, op.padding, allowed)
+                      if isinstance(op, _Conv2d) else op for op in self.ops])
 
     def _run(self, t: dict[str, Tensor], x: Tensor) -> list:
         values = [x]

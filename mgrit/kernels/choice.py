@@ -3,10 +3,9 @@ operation on given shapes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -15,51 +14,61 @@ from . import native
 # (operation, dtype, torch's thread count, operand shapes) -> whether the native kernel
 # computes it
 _NATIVE_CHOICE: dict[tuple, bool] = {}
-NATIVE_BACKENDS = ("auto", "kernels", "torch")
+# the kernels a network may compute with (`LayerParallel(kernels=...)`, or MGRIT_NATIVE)
+KERNELS = ("auto", "kernels", "torch", "torch-steps")
 
 
-def native_backend() -> str:
-    """Whether the layer kernels may use mgrit's native CPU kernels (mgrit.kernels.native), from
-    the environment variable MGRIT_NATIVE: "auto" (the default: native convolutions where
-    they are measured faster, native dense tanh steps for narrow layers, and relaxation
-    phases of such steps compiled into one native call each), "kernels" (the same kernels,
-    called step by step or batch by batch from Python: the twin that the compiled phases
-    are tested against) or "torch" (torch's kernels only; relaxation phases of narrow
-    dense tanh steps are then planned loops of torch's calls, `TorchDenseSteps`).
-    torch.use_deterministic_algorithms(True) means "torch": a choice made by timing can
-    differ between runs, and torch's results are what a serial run computes."""
-    name = os.environ.get("MGRIT_NATIVE", "auto")
-    if name not in NATIVE_BACKENDS:
-        raise ValueError(f"MGRIT_NATIVE={name!r}: expected one of {', '.join(NATIVE_BACKENDS)}")
-    return "torch" if torch.are_deterministic_algorithms_enabled() else name
+def check_kernels(kernels: str | None) -> str | None:
+    """`kernels` if it names a choice of KERNELS (None: the environment's default),
+    else ValueError naming the allowed ones."""
+    if kernels is not None and kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: expected one of {', '.join(KERNELS)} "
+                         "(or None for MGRIT_NATIVE's choice)")
+    return kernels
 
 
-def compiled_phases() -> bool:
+def native_backend(kernels: str | None = None) -> str:
+    """The kernels a solve computes with: `kernels` (a choice of KERNELS), or where it is
+    None the environment variable MGRIT_NATIVE (the user-facing default, read here and
+    nowhere else), else "auto".
+
+    "auto": native convolutions where they are measured faster, native dense tanh steps
+    for narrow layers, and relaxation phases of such steps compiled into one native call
+    each; "kernels": the same kernels, called step by step or batch by batch from Python
+    (the twin that the compiled phases are tested against); "torch": torch's kernels only,
+    relaxation phases of narrow dense tanh steps then planned loops of torch's calls
+    (`TorchDenseSteps`); "torch-steps": torch's kernels step by step (`ChainSteps`, the
+    twin of those planned phases). torch.use_deterministic_algorithms(True) makes "auto"
+    and "kernels" "torch": a choice made by timing can differ between runs, and torch's
+    results are what a serial run computes."""
+    if kernels is None:
+        kernels = os.environ.get("MGRIT_NATIVE", "auto")
+        if kernels not in KERNELS:
+            raise ValueError(f"MGRIT_NATIVE={kernels!r}: expected one of {', '.join(KERNELS)}")
+    else:
+        check_kernels(kernels)
+    if kernels in ("auto", "kernels") and torch.are_deterministic_algorithms_enabled():
+        return "torch"
+    return kernels
+
+
+def native_allowed(backend: str) -> bool:
+    """Whether a resolved choice (`native_backend`) lets mgrit's native kernels run."""
+    return backend in ("auto", "kernels")
+
+
+def compiled_phases(backend: str) -> bool:
     """Whether relaxation phases of dense tanh steps run as one compiled call each, native
-    or planned on torch's kernels (MGRIT_NATIVE "auto" and "torch"), rather than step by
-    step ("kernels", the twin of both)."""
-    return native_backend() != "kernels"
+    or planned on torch's kernels ("auto" and "torch"), rather than step by step (their
+    twins "kernels" and "torch-steps")."""
+    return backend in ("auto", "torch")
 
 
-@contextlib.contextmanager
-def torch_kernels() -> Iterator[None]:
-    """Torch's kernels only (no native ones) while the context is entered, in this process
-    and the ones it starts (MGRIT_NATIVE=torch); the variable's previous value comes back
-    after."""
-    saved = os.environ.get("MGRIT_NATIVE")
-    os.environ["MGRIT_NATIVE"] = "torch"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["MGRIT_NATIVE"]
-        else:
-            os.environ["MGRIT_NATIVE"] = saved
-
-
-def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -> bool:
+def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple,
+                   allowed: bool | None = None) -> bool:
     """Whether to compute operation `name` on these operands (tensors or None) with the
-    native kernel fns[0] rather than torch's fns[1]. The first call for a set of shapes
+    native kernel fns[0] rather than torch's fns[1], where native kernels are `allowed`
+    (None: as `native_backend()` has it). The first call for a set of shapes
     times both on random operands of those shapes and keeps the native kernel where it is
     at least 1.2x faster: on a CPU torch's convolutions are slow for narrow layers and fast
     for wide ones (docs/performance.md has the figures). The choice holds for torch's
@@ -68,7 +77,7 @@ def _native_chosen(name: str, fns: tuple[Callable, Callable], operands: tuple) -
     torch."""
     x = operands[0]
     if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
-            or native_backend() == "torch"):
+            or not (native_allowed(native_backend()) if allowed is None else allowed)):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False             # the native kernels record no autograd graph

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from . import native
 from .chain import Chain, _Activation, _Linear
+from .choice import native_allowed
 from .contract import Kept, Tensors
 from .dense import DENSE_NATIVE_MAX_VALUES, DenseProgram, NativeDense, TorchDense
 
@@ -344,19 +345,17 @@ def is_dense_tanh(module: nn.Module) -> bool:
     return chain is not None and _dense_names(chain) is not None
 
 
-# whether narrow `Linear(d, d) -> Tanh` layers on torch's kernels take `TorchDenseSteps`
-# (tests turn it off to compare with `ChainSteps`, the twin of its planned phases)
-TORCH_PROGRAMS = True
-
-
 def chain_steps(chain: Chain, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                native_allowed: bool) -> ChainSteps:
-    """The strategy for a chain's layers and states of this shape, dtype and device: the
+                backend: str) -> ChainSteps:
+    """The strategy for a chain's layers and states of this shape, dtype and device under
+    the resolved kernels choice `backend` (`mgrit.kernels.choice.native_backend`): the
     CUDA dense kernels for Linear -> Tanh layers on a GPU where they load; the native dense
     kernels on a CPU for float32/float64 states of at most DENSE_NATIVE_MAX_VALUES values,
-    where `native_allowed` (`mgrit.kernels.choice.native_backend`) and the kernels build
-    here, else the same steps on torch's kernels (`TorchDenseSteps`); torch's chain
-    kernels otherwise."""
+    where native kernels are allowed and build here, else the same steps on torch's
+    kernels (`TorchDenseSteps`) unless `backend` is "torch-steps" (their twin); torch's
+    chain kernels otherwise. Convolutions follow the same choice."""
+    allowed = native_allowed(backend)
+    chain = chain.allowing_native(allowed)
     if _dense_names(chain) is None:
         return ChainSteps(chain)
     if device.type == "cuda":
@@ -366,8 +365,8 @@ def chain_steps(chain: Chain, shape: torch.Size, dtype: torch.dtype, device: tor
     width = shape[-1] if len(shape) else 0
     small = (device.type == "cpu" and dtype in native.SUFFIX
              and shape.numel() <= DENSE_NATIVE_MAX_VALUES and width <= native.MAX_WIDTH)
-    if small and native_allowed and native.available():
+    if small and allowed and native.available():
         return NativeDenseSteps(chain, NativeDense(dtype, width))
-    if small and TORCH_PROGRAMS and len(shape) >= 1:
+    if small and backend != "torch-steps" and len(shape) >= 1:
         return TorchDenseSteps(chain, TorchDense(dtype, width))
     return ChainSteps(chain)

@@ -118,7 +118,7 @@ class ResNetSpec:
 
     def layer_parallel(self, **options: Any) -> LayerParallel:
         """The layer-parallel network (`options`: LayerParallel's forward, backward, comm,
-        data_comm, inference)."""
+        data_comm, inference, seed, kernels)."""
         return LayerParallel(self.step, self.num_steps, self.t_final, opening=self.opening,
                              closing=self.closing, **options)
 

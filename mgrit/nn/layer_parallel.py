@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..comm import Comm, as_comm
 from ..core.config import Config
 from ..core.grid import layer_ranges, level0_blocks
+from ..kernels.choice import check_kernels
 from . import checkpoint, clipping, export
 from .checks import check_inputs, level_grids
 from .defaults import training_config
@@ -98,6 +99,13 @@ class LayerParallel(nn.Module):
     seed:      the seed of the keyed random draws of stochastic layers (dropout; see
                `mgrit.nn.draws`); default: rank 0's `torch.initial_seed()`.
 
+    kernels:   what the steps compute with, one of `mgrit.kernels.choice.KERNELS`: "auto"
+               (mgrit's native CPU kernels where they pay, relaxation phases of narrow
+               dense tanh steps compiled into one call each), "kernels" (the same kernels
+               step by step), "torch" (torch's kernels only, such phases as planned loops of
+               torch's calls) or "torch-steps" (torch's kernels step by step); default: the
+               environment variable MGRIT_NATIVE, else "auto".
+
     `model(x, **context)` returns the output on every rank; the context tensors (masks,
     positions, conditioning: constant over depth) go to every step as keyword arguments,
     on every level and in the adjoint, and get gradients where they require grad.
@@ -113,7 +121,8 @@ class LayerParallel(nn.Module):
                  forward: Config | None = None, backward: Config | None = None,
                  comm: Comm | Any = None, opening: nn.Module | None = None,
                  closing: nn.Module | None = None, data_comm: Any = None,
-                 inference: Config | None = None, seed: int | None = None) -> None:
+                 inference: Config | None = None, seed: int | None = None,
+                 kernels: str | None = None) -> None:
         super().__init__()
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
@@ -121,6 +130,7 @@ class LayerParallel(nn.Module):
             raise ValueError(f"t_final must be a positive number, got {t_final!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        check_kernels(kernels)
         self.num_steps = num_steps
         self.t_final = float(t_final)
         self.h = self.t_final / num_steps
@@ -147,6 +157,7 @@ class LayerParallel(nn.Module):
         self.layer_range = (lo, hi)
         template, kept, tied = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
+        self.layers.kernels = kernels
         # weights tied across depth: the one module is what trains (`mgrit.nn.engine.tied`)
         self.tied_step = tied
         self._tied = TiedWeights(tied, self.layers, self.comm) if tied is not None else None

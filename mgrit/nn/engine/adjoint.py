@@ -66,8 +66,8 @@ class AdjointPropagator:
         self._computed.clear()
         self.kernels = self._selection.current()
         self._random = self.stack.random
-        self._program_key, self._max_parallel = program_key(self.kernels, "vjp_program",
-                                                             self.stack, self._values)
+        self._program_key, self._max_parallel = program_key(
+            self.kernels, "vjp_program", self.stack, self._values, self._selection.backend)
         self._record_key = (None if self._program_key is None
                             else (*self._program_key, "record"))
 

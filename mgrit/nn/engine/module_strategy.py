@@ -170,31 +170,33 @@ def _seeded(stack: LayerStack):
 
 class StepSelection:
     """The strategy of one propagator's states (shape, dtype and device fixed by its
-    solver), chosen again only when whether native kernels may run changes
-    (`mgrit.kernels.choice.native_backend`, read once per solve) or autocast is switched on
-    or off. Under autocast, and where the states' dtype is not the parameters' (a forward
-    pass that autocast began, its adjoint), torch's own ops compute (`ModuleSteps`): the
+    solver), chosen again only when the kernels choice changes (the stack's `kernels`,
+    resolved by `mgrit.kernels.choice.native_backend` once per solve: where it is None the
+    environment's default may change between solves) or autocast is switched on or off.
+    Under autocast, and where the states' dtype is not the parameters' (a forward pass
+    that autocast began, its adjoint), torch's own ops compute (`ModuleSteps`): the
     hand-written kernels compute in one dtype and know nothing of autocast's casts."""
 
     def __init__(self, stack: LayerStack, like: Tensor) -> None:
         self.stack = stack
         self._state = (like.shape, like.dtype, like.device)
-        self._chosen: dict[tuple[bool, bool], StepStrategy] = {}
+        self._chosen: dict[tuple[str, bool], StepStrategy] = {}
+        self.backend = native_backend(stack.kernels)    # the resolved choice of this solve
         self._mixed = any(t.is_floating_point() and t.dtype != like.dtype
                           for t in stack.tensors().values())
 
     def current(self) -> StepStrategy:
         """The strategy of this solve, checked against its contract when first chosen."""
-        native = native_backend() != "torch"
+        self.backend = backend = native_backend(self.stack.kernels)
         # context inputs go to the module's own forward: only the general path takes them
-        key = (native, bool(self.stack.context) or autocasting(self._state[2])
+        key = (backend, bool(self.stack.context) or autocasting(self._state[2])
                or self._mixed)
         steps = self._chosen.get(key)
         if steps is None:
             chain = self.stack.chain
             steps = self._chosen[key] = (
                 ModuleSteps(self.stack) if chain is None or key[1]
-                else chain_steps(chain, *self._state, native))
+                else chain_steps(chain, *self._state, backend))
             check_strategy(steps)
         return steps
 

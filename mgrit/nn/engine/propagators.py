@@ -5,10 +5,10 @@ Forward:  Phi_n(u) = u + dt * f(u; theta_n)
 Adjoint:  on the reversed grid, w -> w + dt * (df/du)(u_p; theta_p)^T w, with p the
           forward point where the corresponding forward step starts.
 
-Both compute through a step strategy (`mgrit.nn.engine.module_strategy`) chosen once per solve
-for their states' shape, dtype and device; what is theirs is the bookkeeping around it: which layer a
-step uses, the op outputs the forward pass keeps for the adjoint, the adjoint's skipping of
-zero cotangents and the parameter cotangents of its final fine sweep.
+Both compute through a step strategy (`mgrit.nn.engine.module_strategy`) chosen once per
+solve for their states' shape, dtype and device; what is theirs is the bookkeeping around
+it: which layer a step uses, the op outputs the forward pass keeps for the adjoint, the
+adjoint's skipping of zero cotangents and the parameter cotangents of its final fine sweep.
 """
 
 
@@ -48,12 +48,13 @@ def is_nonzero(x: Tensor) -> bool:
     return nonzero_rows(x[None])[0]
 
 
-def program_key(kernels: object, method: str, stack: LayerStack, values: int
-                 ) -> tuple[Hashable | None, int]:
+def program_key(kernels: object, method: str, stack: LayerStack, values: int, backend: str
+                ) -> tuple[Hashable | None, int]:
     """(key, most independent steps) of a solve's compiled phases: the parameters' storage
-    and the strategy, where compiled phases may run (`compiled_phases`) and the strategy
+    and the strategy, where the resolved kernels choice `backend` lets compiled phases
+    run (`compiled_phases`) and the strategy
     is a `PhaseStrategy` (`method`: the phase that asks); (None, 0) otherwise."""
-    if not (compiled_phases() and has_phases(kernels)):
+    if not (compiled_phases(backend) and has_phases(kernels)):
         return None, 0
     return ((stack.storage_key(), id(kernels)),
             kernels.program_parallel(values, method == "vjp_program"))
@@ -88,8 +89,8 @@ class NetworkPropagator:
         here, once), and whether its steps draw random numbers (keyed per layer)."""
         self.kernels = self._selection.current()
         self._random = self.stack.random
-        self._program_key, self._max_parallel = program_key(self.kernels, "program",
-                                                             self.stack, self._values)
+        self._program_key, self._max_parallel = program_key(
+            self.kernels, "program", self.stack, self._values, self._selection.backend)
         self._keep_key = (None if self._program_key is None or self.outputs is None
                           or not has_phases(self.kernels)
                           else (*self._program_key, "keep"))

@@ -130,6 +130,9 @@ class LayerStack(nn.Module):
         self.torch_random = False
         self.draw_seed = 0
         self.draw_step = 0
+        # the kernels the steps compute with (`mgrit.kernels.choice.KERNELS`; None: the
+        # environment's default), set by LayerParallel and resolved at every solve
+        self.kernels: str | None = None
 
     @property
     def random(self) -> bool:
