@@ -1,0 +1,38 @@
+"""How far to trust the gradients of inexact MGRIT, and keeping them trustworthy.
+
+Training solves each pass with a few MGRIT cycles, so its gradients are not the network's
+exact gradients. This package measures by how much and acts on it:
+
+- `gradient_agreement`: cosine similarity and relative error of one gradient against
+  another, per parameter group (opening, layers, closing) and overall, from sums over the
+  ranks, so that every rank gets the same numbers;
+- `probe`: the gradient of the training step just taken computed again with other solver
+  options (by default exact stepping, `levels=1`: one sequential sweep each way), without
+  disturbing the step: the parameters' gradients are the training step's again afterwards;
+- `solve_cost`: a model of what a solve costs on the critical path, so that settings are
+  priced alike on every rank and in every rerun;
+- `Policy`: the decisions alone, from measured errors and modelled costs: when to probe,
+  which other settings to measure, which to train with (more cycles, fewer levels, exact
+  stepping when the error is too large; cheaper settings when it stays well below);
+- `Controller`: probes every few steps, lets the policy decide and changes the solvers of
+  the model (`LayerParallel.set_solvers`) to keep the measured error below a threshold at
+  the least cost.
+
+The jobs live apart: `agreement`, `probe`, `cost`, `policy` and `control` (the
+`Controller`).
+
+Every decision follows from numbers that are the same on every rank (sums reduced over the
+layer-parallel group, or the caller's values averaged over it), so all ranks decide alike.
+"""
+
+from .agreement import GROUPS, gradient_agreement
+from .control import Controller
+from .cost import BATCHING, solve_cost
+from .policy import (CUT, EVERY, EXACT_SETTING, LOWER, MAX_CYCLES, MAX_EVERY, MOST_QUIET,
+                     PLATEAU, SAVING, TARGET, THRESHOLD, WARM_GAIN, Policy, Setting)
+from .probe import EXACT, ProbeResult, probe, probe_gradients
+
+__all__ = ["BATCHING", "CUT", "EVERY", "EXACT", "EXACT_SETTING", "GROUPS", "LOWER",
+           "MAX_CYCLES", "MAX_EVERY", "MOST_QUIET", "PLATEAU", "SAVING", "TARGET",
+           "THRESHOLD", "WARM_GAIN", "Controller", "Policy", "ProbeResult", "Setting",
+           "gradient_agreement", "probe", "probe_gradients", "solve_cost"]

@@ -1,0 +1,217 @@
+"""The controller: probes every few steps, lets the policy decide and changes the solvers
+of the model (`LayerParallel.set_solvers`) to keep the measured error below a threshold at
+the least cost."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...core.config import Config
+from ...core.cycle import DivergenceError
+from ..layer_parallel import LayerParallel
+from .agreement import GROUPS, gradient_agreement
+from .cost import BATCHING, solve_cost
+from .policy import EVERY, EXACT_SETTING, MAX_CYCLES, MAX_EVERY, THRESHOLD, Policy, Setting
+from .probe import probe_gradients
+
+def _relative_residual(stats: dict[str, Any]) -> float:
+    """The last residual of a solve relative to the norm of its given state."""
+    residuals, norm = stats.get("residuals") or [0.0], stats.get("initial_norm", 0.0)
+    return residuals[-1] / norm if norm > 0 else 0.0
+
+
+class Controller:
+    """Keeps the gradients of layer-parallel training within `threshold` (relative error
+    against the exact gradient) at the least cost, by probing and changing the solvers
+    between steps (`Policy` decides; `LayerParallel.set_solvers` applies).
+
+    Use it between a training step's backward pass and its optimizer step::
+
+        controller = mgrit.Controller(model)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            controller.after_backward(lambda: loss_fn(model(x), y))
+            optimizer.step()
+        ...
+        controller.validation(test_loss)          # after each evaluation, on every rank
+
+    Every step it records the step's cheap indicator (the last residual of each solve
+    relative to the norm of its given state) and, scaled by the last probe, an estimate of
+    the gradient error. Probed steps (the first, then every `every` to `max_every` steps,
+    earlier when the estimate exceeds the threshold) compute the exact gradient of the same
+    batch (`probe`: one sequential sweep each way, the step's own random draws) and its
+    agreement with the training gradient, per group and overall; where the policy asks,
+    other settings are measured against it too (cold: from a zero guess). The optimizer
+    then steps with the training gradient, untouched.
+
+    Settings are priced by `solve_cost` (`batching`: see `BATCHING`) for the layer-parallel
+    ranks: a model, not a stopwatch, so that a run decides the same way every time it is
+    run (resumed, traced, on another machine). Errors are sums reduced over the ranks (and
+    the same on data-parallel replicas, whose gradients are averaged), validation losses
+    are averaged over them: every rank decides alike. Every rank calls `after_backward` and
+    `validation` (collective).
+
+    `after_backward` returns the step's record (also in `model.stats["control"]` and
+    `last`); `probes` and `decisions` keep the probed steps' and the changes' records.
+    """
+
+    def __init__(self, model: LayerParallel, threshold: float = THRESHOLD,
+                 every: int = EVERY, max_every: int = MAX_EVERY,
+                 max_cycles: int = MAX_CYCLES, batching: float = BATCHING,
+                 warm_trials: bool = True, policy: Policy | None = None) -> None:
+        if not isinstance(model, LayerParallel):
+            raise TypeError(f"model must be a mgrit.LayerParallel, got {type(model).__name__}")
+        if isinstance(batching, bool) or not isinstance(batching, (int, float)) or \
+                not 0 < batching < math.inf:
+            raise ValueError(f"batching must be a positive number, got {batching!r}")
+        self.model = model
+        self.batching = float(batching)
+        self.forward_config, self.backward_config = model.forward_config, model.backward_config
+        self.base = Setting(self.forward_config.max_iter, self.backward_config.max_iter,
+                            max(self.forward_config.levels, self.backward_config.levels),
+                            all(c.initial_guess == "warm"
+                                for c in (self.forward_config, self.backward_config)))
+        # a policy of one's own (another rule, or a test's) decides from the same numbers
+        self.policy = policy if policy is not None else Policy(
+            self.base, self.cost, threshold, every, max_every, max_cycles, warm_trials)
+        self.step = 0
+        self.last: dict[str, Any] = {}
+        self.probes: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, Any]] = []
+
+    @property
+    def setting(self) -> Setting:
+        return self.policy.setting
+
+    def configs(self, setting: Setting, cold: bool = False) -> tuple[Config, Config]:
+        """The forward and backward options of `setting` (`cold`: from a zero guess where
+        the options would start warm)."""
+        out = []
+        for base, cycles in ((self.forward_config, setting.forward),
+                             (self.backward_config, setting.backward)):
+            if setting.exact:
+                cfg = replace(base, levels=1, max_iter=1, tol=0.0, initial_guess="zero")
+            else:
+                cfg = replace(base, levels=min(setting.levels, base.levels), max_iter=cycles)
+                if setting.warm:
+                    cfg = replace(cfg, initial_guess="warm")
+                if cold and cfg.initial_guess == "warm":
+                    cfg = replace(cfg, initial_guess="zero")
+            out.append(cfg)
+        return out[0], out[1]
+
+    def cost(self, setting: Setting) -> float:
+        """The modelled cost of a training step's two solves with `setting` on this model's
+        layer-parallel ranks (`solve_cost`; an adjoint step counts twice a forward step)."""
+        forward, backward = self.configs(setting)
+        n, ranks = self.model.num_steps, self.model.comm.size
+        return (solve_cost(forward, n, ranks, self.batching)
+                + 2 * solve_cost(backward, n, ranks, self.batching))
+
+    def _reduced(self, values: list[float]) -> list[float]:
+        """The mean over the layer-parallel ranks and the data-parallel replicas."""
+        model = self.model
+        buf = torch.tensor(values, dtype=torch.float64)
+        count = 1
+        for comm in (model.comm, model.data_comm):
+            if comm is not None and comm.size > 1:
+                comm.allreduce_sum_(buf)
+                count *= comm.size
+        return (buf / count).tolist()
+
+    def after_backward(self, closure: Callable[[], Tensor]) -> dict[str, Any]:
+        """Record the step whose backward pass just ended and, where one is due, probe it
+        and decide; `closure()` computes the step's loss again (the same batch through the
+        model). Returns the step's record. Collective."""
+        model, policy = self.model, self.policy
+        stats = model.stats
+        indicator = sum(_relative_residual(stats[k]) for k in ("forward", "backward")
+                        if k in stats)
+        if model.comm.size > 1 or model.data_comm is not None:
+            # the norms are of replicated tensors, the same on every rank in principle; a
+            # decision must not rest on that
+            indicator = self._reduced([indicator])[0]
+        estimate = policy.estimate(indicator)
+        setting = policy.setting
+        record: dict[str, Any] = {"step": self.step, "setting": setting.label,
+                                  "forward_cycles": setting.forward,
+                                  "backward_cycles": setting.backward,
+                                  "levels": setting.levels, "estimate": estimate}
+        if policy.due(self.step, estimate):
+            record["probe"] = self._probe(closure, indicator)
+        self.step += 1
+        self.last = record
+        model.stats["control"] = record
+        return record
+
+    def _probe(self, closure: Callable[[], Tensor], indicator: float) -> dict[str, Any]:
+        model, policy = self.model, self.policy
+        start = time.perf_counter()
+        current = policy.setting
+        trained = [p.grad for p in model.parameters() if p.requires_grad]
+        if current.exact:
+            # the training gradient is the exact one
+            reference = trained
+            agreement = gradient_agreement(model, trained, trained)
+        else:
+            reference, _, _ = probe_gradients(model, closure, *self.configs(EXACT_SETTING))
+            agreement = gradient_agreement(model, trained, reference)
+        error = agreement["overall"]["relative_error"]
+        candidates: dict[Setting, float] = {}
+        for setting in policy.wanted(error):
+            if setting.exact:
+                candidates[setting] = 0.0
+                continue
+            try:
+                gradients, _, _ = probe_gradients(model, closure,
+                                                  *self.configs(setting, cold=True))
+            except DivergenceError:
+                # raised on every rank alike: a setting that diverges is no candidate
+                candidates[setting] = math.inf
+                continue
+            candidates[setting] = gradient_agreement(
+                model, gradients, reference)["overall"]["relative_error"]
+        new, why = policy.decide(self.step, error, candidates, indicator)
+        if new != current:
+            model.set_solvers(*self.configs(new))
+        out: dict[str, Any] = {
+            "error": error, "cosine": agreement["overall"]["cosine"],
+            "groups": {g: agreement[g] for g in GROUPS},
+            "candidates": {s.label: e for s, e in candidates.items()},
+            "seconds": time.perf_counter() - start}
+        self.probes.append({"step": self.step, "setting": current.label, **out})
+        if new != current:
+            decision = {"step": self.step, "from": current.label, "to": new.label,
+                        "reason": why, "error": error}
+            out["decision"] = decision
+            self.decisions.append(decision)
+        return out
+
+    def validation(self, loss: float) -> bool:
+        """Record a validation loss (averaged over the ranks, so that all decide alike);
+        returns whether validation has stalled (`Policy.validation`). Collective."""
+        model = self.model
+        if model.comm.size > 1 or model.data_comm is not None:
+            loss = self._reduced([float(loss)])[0]
+        return self.policy.validation(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run decides as an uninterrupted one."""
+        return {"policy": self.policy.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` and train with its setting."""
+        self.policy.load_state_dict(state["policy"])
+        self.step = state["step"]
+        forward, backward = self.configs(self.policy.setting)
+        if (forward, backward) != (self.model.forward_config, self.model.backward_config):
+            self.model.set_solvers(forward, backward)
