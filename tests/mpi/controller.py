@@ -6,6 +6,8 @@ exact:      dense N = 13, float64, a policy that chooses exact stepping at its f
             beside the layer-parallel model; at the end it compares the two.
 collective: dense N = 24, T = 6, the default policy with a low threshold; every rank reports
             its decisions, probes and costs.
+calibrated: dense N = 64; every rank calibrates the cost model, chooses a hierarchy and
+            prices settings, and reports them.
 """
 
 import sys
@@ -99,3 +101,17 @@ elif mode == "collective":
             "probes": [{key: p[key] for key in ("step", "setting", "error", "candidates")}
                        for p in controller.probes],
             "costs": {s.label: c for s, c in controller.policy._costs.items()}})
+elif mode == "calibrated":
+    from mgrit.nn import calibrate, choose_settings  # noqa: E402
+    from mgrit.nn.defaults import training_config  # noqa: E402
+    model, _ = build("dense", 64, training_config("forward", 3, 4),
+                     training_config("backward", 3, 4), comm=world)
+    x, y = data("dense", 8)
+    loss_fn(model(x), y).backward()
+    cal = calibrate(model, x, repeats=2)
+    chosen = choose_settings(model, x, calibration=cal)
+    controller = Controller(model, calibration=cal)
+    settings = [controller.base, Setting(1, 1, 2, coarsening=8), EXACT_SETTING]
+    report({"calibration": cal.as_dict(),
+            "chosen": [sorted(c.describe().items()) for c in chosen],
+            "costs": [controller.cost(s) for s in settings]})

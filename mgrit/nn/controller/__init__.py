@@ -9,8 +9,10 @@ exact gradients. This package measures by how much and acts on it:
 - `probe`: the gradient of the training step just taken computed again with other solver
   options (by default exact stepping, `levels=1`: one sequential sweep each way), without
   disturbing the step: the parameters' gradients are the training step's again afterwards;
-- `solve_cost`: a model of what a solve costs on the critical path, so that settings are
-  priced alike on every rank and in every rerun;
+- `solve_cost`, `solve_seconds`: a model of what a solve costs on the critical path (calls,
+  intervals, march steps, hops), priced by a fixed batching gain or by a `Calibration`
+  measured on the network's own layers (`calibrate`), so that settings are priced alike on
+  every rank and in every rerun; `choose_settings` picks the cheapest hierarchy by it;
 - `Policy`: the decisions alone, from measured errors and modelled costs: when to probe,
   which other settings to measure, which to train with (more cycles, fewer levels, exact
   stepping when the error is too large; cheaper settings when it stays well below);
@@ -18,21 +20,25 @@ exact gradients. This package measures by how much and acts on it:
   the model (`LayerParallel.set_solvers`) to keep the measured error below a threshold at
   the least cost.
 
-The jobs live apart: `agreement`, `probe`, `cost`, `policy` and `control` (the
-`Controller`).
+The jobs live apart: `agreement`, `probe`, `cost`, `calibrate`, `hierarchy` (settings as
+solver options, and which the layers allow), `policy` and `control` (the `Controller`).
 
 Every decision follows from numbers that are the same on every rank (sums reduced over the
 layer-parallel group, or the caller's values averaged over it), so all ranks decide alike.
 """
 
-from .agreement import GROUPS, gradient_agreement
+from .agreement import GROUPS, gradient_agreement, mean_over_ranks
+from .calibrate import calibrate, choose_settings
 from .control import Controller
-from .cost import BATCHING, solve_cost
+from .cost import (BATCHING, LATENCY, Calibration, Terms, Units, fit, solve_cost,
+                   solve_seconds, solve_terms, step_seconds)
 from .policy import (CUT, EVERY, EXACT_SETTING, LOWER, MAX_CYCLES, MAX_EVERY, MOST_QUIET,
-                     PLATEAU, SAVING, TARGET, THRESHOLD, WARM_GAIN, Policy, Setting)
-from .probe import EXACT, ProbeResult, probe, probe_gradients
+                     PLATEAU, SAVING, TARGET, THRESHOLD, WARM_GAIN, Moves, Policy, Setting)
+from .probe import EXACT, ProbeResult, probe, probe_gradients, probe_solves
 
-__all__ = ["BATCHING", "CUT", "EVERY", "EXACT", "EXACT_SETTING", "GROUPS", "LOWER",
+__all__ = ["BATCHING", "CUT", "EVERY", "EXACT", "EXACT_SETTING", "GROUPS", "LATENCY", "LOWER",
            "MAX_CYCLES", "MAX_EVERY", "MOST_QUIET", "PLATEAU", "SAVING", "TARGET",
-           "THRESHOLD", "WARM_GAIN", "Controller", "Policy", "ProbeResult", "Setting",
-           "gradient_agreement", "probe", "probe_gradients", "solve_cost"]
+           "THRESHOLD", "WARM_GAIN", "Calibration", "Controller", "Moves", "Policy",
+           "ProbeResult", "Setting", "Terms", "Units", "calibrate", "choose_settings", "fit",
+           "gradient_agreement", "mean_over_ranks", "probe", "probe_gradients",
+           "probe_solves", "solve_cost", "solve_seconds", "solve_terms", "step_seconds"]

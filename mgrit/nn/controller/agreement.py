@@ -59,3 +59,15 @@ def _agreement(dot: float, gg: float, rr: float, dd: float) -> dict[str, float]:
     cosine = dot / math.sqrt(gg * rr) if gg > 0 and rr > 0 else (1.0 if gg == rr else 0.0)
     error = math.sqrt(dd / rr) if rr > 0 else (0.0 if dd == 0 else math.inf)
     return {"cosine": cosine, "relative_error": error}
+
+
+def mean_over_ranks(model: LayerParallel, values: list[float]) -> list[float]:
+    """The mean of `values` over the layer-parallel ranks and the data-parallel replicas:
+    what every rank then decides from alike. Collective."""
+    buf = torch.tensor(values, dtype=torch.float64)
+    count = 1
+    for comm in (model.comm, model.data_comm):
+        if comm is not None and comm.size > 1:
+            comm.allreduce_sum_(buf)
+            count *= comm.size
+    return (buf / count).tolist()

@@ -7,18 +7,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ...core.config import Config
 from ...core.cycle import DivergenceError
 from ..layer_parallel import LayerParallel
-from .agreement import GROUPS, gradient_agreement
-from .cost import BATCHING, solve_cost
-from .policy import EVERY, EXACT_SETTING, MAX_CYCLES, MAX_EVERY, THRESHOLD, Policy, Setting
+from .agreement import GROUPS, gradient_agreement, mean_over_ranks
+from .calibrate import calibrate
+from .cost import LATENCY, Calibration, solve_cost, step_seconds
+from .hierarchy import configs_of, uniform, valid
+from .policy import (EVERY, EXACT_SETTING, MAX_CYCLES, MAX_EVERY, THRESHOLD, Moves, Policy,
+                     Setting)
 from .probe import probe_gradients
 
 def _relative_residual(stats: dict[str, Any]) -> float:
@@ -53,9 +54,17 @@ class Controller:
     other settings are measured against it too (cold: from a zero guess). The optimizer
     then steps with the training gradient, untouched.
 
-    Settings are priced by `solve_cost` (`batching`: see `BATCHING`) for the layer-parallel
-    ranks: a model, not a stopwatch, so that a run decides the same way every time it is
-    run (resumed, traced, on another machine). Errors are sums reduced over the ranks (and
+    Settings are priced by a model of the solves' critical path for the layer-parallel
+    ranks (`cost.solve_terms`), not by a stopwatch per decision, so that a run decides the
+    same way every time it is run (resumed, traced, on another machine). Its prices come
+    from a `Calibration` measured once, at the first probe, on the network's own layers
+    and batch and averaged over the ranks (`calibrate`; given as `calibration`, nothing is
+    measured; `latency`: seconds per hop), or, with `batching` given, from the fixed model
+    in single-step calls (`solve_cost`, see `BATCHING`). With `hierarchies` (and options
+    of one coarsening and one coarse relaxation) the policy also moves between hierarchies:
+    a level more or fewer, coarsening 2, 4, 8 or 16, F or FCF below the fine level, and
+    cycles below the user's, each taken only where its measured error allows
+    (`policy.Moves`, `hierarchy.valid`). Errors are sums reduced over the ranks (and
     the same on data-parallel replicas, whose gradients are averaged), validation losses
     are averaged over them: every rank decides alike. Every rank calls `after_backward` and
     `validation` (collective).
@@ -66,23 +75,42 @@ class Controller:
 
     def __init__(self, model: LayerParallel, threshold: float = THRESHOLD,
                  every: int = EVERY, max_every: int = MAX_EVERY,
-                 max_cycles: int = MAX_CYCLES, batching: float = BATCHING,
-                 warm_trials: bool = True, policy: Policy | None = None) -> None:
+                 max_cycles: int = MAX_CYCLES, batching: float | None = None,
+                 warm_trials: bool = True, policy: Policy | None = None,
+                 calibration: Calibration | None = None, latency: float = LATENCY,
+                 hierarchies: bool = True) -> None:
         if not isinstance(model, LayerParallel):
             raise TypeError(f"model must be a mgrit.LayerParallel, got {type(model).__name__}")
-        if isinstance(batching, bool) or not isinstance(batching, (int, float)) or \
-                not 0 < batching < math.inf:
-            raise ValueError(f"batching must be a positive number, got {batching!r}")
+        if batching is not None and (isinstance(batching, bool) or
+                                     not isinstance(batching, (int, float)) or
+                                     not 0 < batching < math.inf):
+            raise ValueError(f"batching must be a positive number or None (measure the "
+                             f"costs), got {batching!r}")
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or \
+                not 0 <= latency < math.inf:
+            raise ValueError(f"latency must be a number >= 0 (seconds), got {latency!r}")
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a Calibration, got "
+                            f"{type(calibration).__name__}")
         self.model = model
-        self.batching = float(batching)
+        self.batching = None if batching is None else float(batching)
+        self.calibration = calibration
+        self.latency = float(latency)
         self.forward_config, self.backward_config = model.forward_config, model.backward_config
-        self.base = Setting(self.forward_config.max_iter, self.backward_config.max_iter,
-                            max(self.forward_config.levels, self.backward_config.levels),
-                            all(c.initial_guess == "warm"
-                                for c in (self.forward_config, self.backward_config)))
+        f, b = self.forward_config, self.backward_config
+        self.base_levels = max(f.levels, b.levels)
+        shape = uniform(f) if uniform(f) == uniform(b) else None
+        self.base = Setting(f.max_iter, b.max_iter, self.base_levels,
+                            all(c.initial_guess == "warm" for c in (f, b)),
+                            *(shape if hierarchies and shape is not None else ()))
+        moves = None
+        if hierarchies and shape is not None:
+            moves = Moves(self.base_levels + 1, valid=lambda s: valid(
+                s, f, b, self.base_levels, model.num_steps))
         # a policy of one's own (another rule, or a test's) decides from the same numbers
         self.policy = policy if policy is not None else Policy(
-            self.base, self.cost, threshold, every, max_every, max_cycles, warm_trials)
+            self.base, self.cost, threshold, every, max_every, max_cycles, warm_trials,
+            moves)
         self.step = 0
         self.last: dict[str, Any] = {}
         self.probes: list[dict[str, Any]] = []
@@ -94,39 +122,28 @@ class Controller:
 
     def configs(self, setting: Setting, cold: bool = False) -> tuple[Config, Config]:
         """The forward and backward options of `setting` (`cold`: from a zero guess where
-        the options would start warm)."""
-        out = []
-        for base, cycles in ((self.forward_config, setting.forward),
-                             (self.backward_config, setting.backward)):
-            if setting.exact:
-                cfg = replace(base, levels=1, max_iter=1, tol=0.0, initial_guess="zero")
-            else:
-                cfg = replace(base, levels=min(setting.levels, base.levels), max_iter=cycles)
-                if setting.warm:
-                    cfg = replace(cfg, initial_guess="warm")
-                if cold and cfg.initial_guess == "warm":
-                    cfg = replace(cfg, initial_guess="zero")
-            out.append(cfg)
-        return out[0], out[1]
+        the options would start warm; `hierarchy.configs_of`)."""
+        return configs_of(setting, self.forward_config, self.backward_config,
+                          self.base_levels, cold)
 
     def cost(self, setting: Setting) -> float:
         """The modelled cost of a training step's two solves with `setting` on this model's
-        layer-parallel ranks (`solve_cost`; an adjoint step counts twice a forward step)."""
+        layer-parallel ranks: seconds from the calibration (`cost.step_seconds`), or with
+        `batching` given single-step calls (`solve_cost`; an adjoint step counts twice a
+        forward step)."""
         forward, backward = self.configs(setting)
         n, ranks = self.model.num_steps, self.model.comm.size
-        return (solve_cost(forward, n, ranks, self.batching)
-                + 2 * solve_cost(backward, n, ranks, self.batching))
+        if self.batching is not None:
+            return (solve_cost(forward, n, ranks, self.batching)
+                    + 2 * solve_cost(backward, n, ranks, self.batching))
+        if self.calibration is None:
+            raise RuntimeError("the cost model is not calibrated yet: it is measured at the "
+                               "first probe (after_backward), or give calibration=")
+        return step_seconds(forward, backward, n, ranks, self.calibration)
 
     def _reduced(self, values: list[float]) -> list[float]:
         """The mean over the layer-parallel ranks and the data-parallel replicas."""
-        model = self.model
-        buf = torch.tensor(values, dtype=torch.float64)
-        count = 1
-        for comm in (model.comm, model.data_comm):
-            if comm is not None and comm.size > 1:
-                comm.allreduce_sum_(buf)
-                count *= comm.size
-        return (buf / count).tolist()
+        return mean_over_ranks(self.model, values)
 
     def after_backward(self, closure: Callable[[], Tensor]) -> dict[str, Any]:
         """Record the step whose backward pass just ended and, where one is due, probe it
@@ -157,6 +174,9 @@ class Controller:
         model, policy = self.model, self.policy
         start = time.perf_counter()
         current = policy.setting
+        if self.batching is None and self.calibration is None:
+            # once, at the first probe: the step's own batch on the network's own layers
+            self.calibration = calibrate(model, closure, latency=self.latency)
         trained = [p.grad for p in model.parameters() if p.requires_grad]
         if current.exact:
             # the training gradient is the exact one
@@ -206,12 +226,17 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps so that a resumed run decides as an uninterrupted one."""
-        return {"policy": self.policy.state_dict(), "step": self.step}
+        return {"policy": self.policy.state_dict(), "step": self.step,
+                "calibration": (self.calibration.as_dict() if self.calibration is not None
+                                else None)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict` and train with its setting."""
         self.policy.load_state_dict(state["policy"])
         self.step = state["step"]
+        if state.get("calibration") is not None:
+            # the resumed run prices settings as the interrupted one did
+            self.calibration = Calibration.from_dict(state["calibration"])
         forward, backward = self.configs(self.policy.setting)
         if (forward, backward) != (self.model.forward_config, self.model.backward_config):
             self.model.set_solvers(forward, backward)

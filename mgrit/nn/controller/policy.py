@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The defaults (docs/training.md, "Trusting the gradients", and docs/results.md give the
@@ -46,14 +46,18 @@ WARM_GAIN = 1.25
 @dataclass(frozen=True)
 class Setting:
     """What the controller sets: cycles of the forward and backward solves and the levels
-    of both (a pass whose own options have fewer keeps those); levels 1 is exact stepping,
-    one sequential sweep each way. `warm`: both solves start from the previous step's
-    states (otherwise from the guess of the user's options)."""
+    of both (a pass whose own options have fewer keeps those, unless the setting has more
+    levels than the user's); levels 1 is exact stepping, one sequential sweep each way.
+    `warm`: both solves start from the previous step's states (otherwise from the guess of
+    the user's options). `coarsening` (0: the user's) and `coarse`, the relaxation of the
+    levels below the fine one ("F" or "FCF"; "": the user's), change the hierarchy."""
 
     forward: int
     backward: int
     levels: int
     warm: bool = False
+    coarsening: int = 0
+    coarse: str = ""
 
     @property
     def exact(self) -> bool:
@@ -63,13 +67,31 @@ class Setting:
     def label(self) -> str:
         if self.exact:
             return "exact"
-        return f"{self.forward}/{self.backward} L{self.levels}" + (" warm" if self.warm else "")
+        return (f"{self.forward}/{self.backward} L{self.levels}"
+                + (f" m{self.coarsening}" if self.coarsening else "")
+                + (f" {self.coarse}" if self.coarse else "") + (" warm" if self.warm else ""))
 
     def as_list(self) -> list[Any]:
-        return [self.forward, self.backward, self.levels, self.warm]
+        return [self.forward, self.backward, self.levels, self.warm, self.coarsening,
+                self.coarse]
 
 
 EXACT_SETTING = Setting(1, 1, 1)
+
+
+@dataclass(frozen=True)
+class Moves:
+    """The hierarchies a policy may move between besides cycles and levels below the
+    user's: `levels` up to `most_levels`, the `coarsenings` and coarse relaxations
+    (`relaxations`) named, cycles down to `least_cycles` (taken only where the measured
+    error allows, like every move), and `valid`, which says whether a setting's hierarchy
+    can be built and its coarse steps are judged stable."""
+
+    most_levels: int
+    coarsenings: tuple[int, ...] = (2, 4, 8, 16)
+    relaxations: tuple[str, ...] = ("F", "FCF")
+    least_cycles: int = 1
+    valid: Callable[[Setting], bool] = field(default=lambda s: True, compare=False)
 
 
 class Policy:
@@ -83,6 +105,8 @@ class Policy:
     threshold:  the relative gradient error (training's against exact) to stay below.
     every, max_every: steps between probes (the first probe is at step 0).
     max_cycles: most cycles of either pass.
+    moves:      other hierarchies to move between (`Moves`); without, the policy never goes
+                below the base's cycles nor above its levels.
 
     After a probe has measured the error e of the current setting:
     - e > threshold: the settings one move more accurate (a cycle more in either pass, any
@@ -107,7 +131,7 @@ class Policy:
     def __init__(self, base: Setting, cost: Callable[[Setting], float],
                  threshold: float = THRESHOLD, every: int = EVERY,
                  max_every: int = MAX_EVERY, max_cycles: int = MAX_CYCLES,
-                 warm_trials: bool = True) -> None:
+                 warm_trials: bool = True, moves: Moves | None = None) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or \
                 not 0 < threshold < math.inf:
             raise ValueError(f"threshold must be a positive number, got {threshold!r}")
@@ -116,6 +140,7 @@ class Policy:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         self.base = base
+        self.moves = moves
         self._cost = cost
         self._costs: dict[Setting, float] = {}
         self.threshold = float(threshold)
@@ -174,10 +199,15 @@ class Policy:
                 out.append(s)
         return out
 
+    def _valid(self, settings: list[Setting]) -> list[Setting]:
+        moves = self.moves
+        return [s for s in settings if s.exact or moves is None or moves.valid(s)]
+
     def more_accurate(self) -> list[Setting]:
         """A cycle more in either pass, any number of levels fewer (down to 2), exact
-        stepping."""
-        s = self.setting
+        stepping; with `moves` also FCF relaxation below the fine level and the next
+        smaller coarsening."""
+        s, moves = self.setting, self.moves
         if s.exact:
             return []
         out = []
@@ -186,22 +216,38 @@ class Policy:
         if s.forward < self.max_cycles:
             out.append(replace(s, forward=s.forward + 1))
         out += [replace(s, levels=levels) for levels in range(s.levels - 1, 1, -1)]
-        return self._affordable(out + [EXACT_SETTING])
+        if moves is not None:
+            if s.coarse == "F" and "FCF" in moves.relaxations:
+                out.append(replace(s, coarse="FCF"))
+            smaller = [m for m in moves.coarsenings if 0 < m < s.coarsening]
+            if s.coarsening and smaller:
+                out.append(replace(s, coarsening=max(smaller)))
+        return self._affordable(self._valid(out) + [EXACT_SETTING])
 
     def less_accurate(self) -> list[Setting]:
         """Back towards the base: a cycle less in either pass, a level more, the base (from
-        exact stepping: the setting it was reached from, and the base)."""
-        s, base = self.setting, self.base
+        exact stepping: the setting it was reached from, and the base). With `moves` the
+        cycles may go below the base's and the levels above, and the next larger
+        coarsening and F-relaxation below the fine level are cheaper moves too."""
+        s, base, moves = self.setting, self.base, self.moves
         if s.exact:
             return self._affordable([self.came_from or base, base])
+        least = (base.backward, base.forward) if moves is None else (moves.least_cycles,) * 2
+        most_levels = base.levels if moves is None else moves.most_levels
         out = []
-        if s.backward > base.backward:
+        if s.backward > least[0]:
             out.append(replace(s, backward=s.backward - 1))
-        if s.forward > base.forward:
+        if s.forward > least[1]:
             out.append(replace(s, forward=s.forward - 1))
-        if s.levels < base.levels:
+        if s.levels < most_levels:
             out.append(replace(s, levels=s.levels + 1))
-        return self._affordable(out + [replace(base, warm=s.warm)])
+        if moves is not None:
+            larger = [m for m in moves.coarsenings if m > s.coarsening > 0]
+            if larger:
+                out.append(replace(s, coarsening=min(larger)))
+            if s.coarse == "FCF" and "F" in moves.relaxations:
+                out.append(replace(s, coarse="F"))
+        return self._affordable(self._valid(out) + [replace(base, warm=s.warm)])
 
     def wanted(self, error: float) -> list[Setting]:
         """The settings to measure after a probe found `error` at the current one."""

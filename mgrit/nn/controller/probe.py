@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -41,11 +42,11 @@ class ProbeResult:
         return self.agreement["overall"]["cosine"]
 
 
-def probe_gradients(model: LayerParallel, closure: Callable[[], Tensor], forward: Config,
-                    backward: Config) -> tuple[list[Tensor | None], float, float]:
-    """(gradients, loss, seconds of its two solves on this rank) of the training step just
-    taken, computed again with the solver options `forward` and `backward`; the parameters'
-    own gradients are as they were afterwards. See `probe`."""
+def probe_solves(model: LayerParallel, closure: Callable[[], Tensor], forward: Config,
+                 backward: Config) -> tuple[list[Tensor | None], float, dict[str, Any]]:
+    """(gradients, loss, the passes' `stats`) of the training step just taken, computed
+    again with the solver options `forward` and `backward`; the parameters' own gradients
+    are as they were afterwards. See `probe`."""
     params = [p for p in model.parameters() if p.requires_grad]
     trained = [p.grad for p in params]
     for p in params:
@@ -58,8 +59,17 @@ def probe_gradients(model: LayerParallel, closure: Callable[[], Tensor], forward
     finally:
         for p, g in zip(params, trained):
             p.grad = g
+    return gradients, float(loss.detach()), stats
+
+
+def probe_gradients(model: LayerParallel, closure: Callable[[], Tensor], forward: Config,
+                    backward: Config) -> tuple[list[Tensor | None], float, float]:
+    """(gradients, loss, seconds of its two solves on this rank) of the training step just
+    taken, computed again with the solver options `forward` and `backward`; the parameters'
+    own gradients are as they were afterwards. See `probe`."""
+    gradients, loss, stats = probe_solves(model, closure, forward, backward)
     seconds = sum(stats[kind]["seconds"] for kind in ("forward", "backward") if kind in stats)
-    return gradients, float(loss.detach()), seconds
+    return gradients, loss, seconds
 
 
 def probe(model: LayerParallel, closure: Callable[[], Tensor], forward: Config = EXACT,

@@ -1,0 +1,258 @@
+"""The controller's cost model priced by measurement: the fit recovers known prices, a model
+fitted on W2's measured solves (docs/results/work-settings.json) predicts the held-out
+settings and ranks them as the measurement does on one rank, and more levels at 64 modelled
+ranks; calibrating on a network leaves training as it was; hierarchies the layers cannot
+hold are never candidates; the policy moves between hierarchies only on measured errors;
+on several ranks every rank calibrates, prices and chooses alike."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgrit.core.grid import build_hierarchy
+from mgrit.nn import Controller, Policy, Setting, calibrate, choose_settings
+from mgrit.nn.controller import (EXACT_SETTING, Calibration, Moves, Terms, Units, fit,
+                                 solve_seconds, solve_terms, step_seconds)
+from mgrit.nn.controller.hierarchy import cheapest, configs_of, hierarchies, valid
+from mgrit.nn.defaults import training_config
+
+from nets import build, data
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results" / "work-settings.json"
+HELD_OUT = ("2 levels", "3 levels", "default", "5 levels")
+
+
+# fitting --------------------------------------------------------------------------------
+
+def test_the_fit_recovers_known_prices_and_repeats_exactly():
+    """Solves timed as a known price would time them (plus hops at the given latency) give
+    that price back, the same on every fit."""
+    truth = Units(call=3e-6, interval=2e-7, step=4e-7)
+    configs = [replace(training_config("forward", levels, m), max_iter=cycles)
+               for levels, m, cycles in ((2, 2, 1), (2, 8, 2), (3, 4, 1), (4, 4, 2))]
+    configs.append(replace(training_config("forward"), levels=1, max_iter=1))
+    samples = [(solve_terms(c, 256, 4), truth.price(solve_terms(c, 256, 4), 5e-5))
+               for c in configs]
+    got = fit(samples, latency=5e-5)
+    for name in ("call", "interval", "step"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert fit(samples, latency=5e-5) == got
+    # no price is negative, even where timings contradict the model
+    odd = [(Terms(10, 100, 0, 0), 1e-3), (Terms(1, 10, 0, 0), 5e-3), (Terms(0, 0, 50, 0), 1e-4)]
+    assert all(v >= 0 for v in vars(fit(odd)).values())
+
+
+def test_hops_count_messages_on_the_path():
+    """One rank has no hops; exact stepping over P ranks passes P - 1 boundaries (and one
+    reduction of log2 P); more levels shorten the coarsest level's chain through the ranks."""
+    exact = replace(training_config("forward"), levels=1, max_iter=1)
+    assert solve_terms(exact, 1024, 1).hops == 0
+    assert solve_terms(exact, 1024, 64) == Terms(0, 0, 1024, 63 + 6)
+    two, four = (training_config("forward", levels, 4) for levels in (2, 4))
+    assert solve_terms(two, 1024, 1).hops == solve_terms(four, 1024, 1).hops == 0
+    # the coarsest level's march: 256 steps over 64 ranks, against 16 over 16
+    assert solve_terms(two, 1024, 64).steps == 2 * 256
+    assert solve_terms(four, 1024, 64).steps == 2 * 16
+
+
+# the model against W2's measurements ------------------------------------------------------
+
+def _records(workload: str) -> list[dict]:
+    return [r for r in json.loads(RESULTS.read_text())["records"]
+            if r["workload"] == workload and not r["warm"]]
+
+
+def _configs(r: dict):
+    """The solver options benchmarks/settings.py measured a record with."""
+    if r["levels"] == 1:
+        return (replace(training_config("forward"), levels=1, max_iter=1),) * 2
+    out = []
+    for cycles in (r["forward"], r["backward"]):
+        cfg = training_config("forward", r["levels"], r["m"])
+        relax = cfg.relax if r["relax"] == "F/FCF" else (r["relax"],) * (r["levels"] - 1)
+        out.append(replace(cfg, relax=relax, max_iter=cycles, cycle=r["cycle"]))
+    return tuple(out)
+
+
+def _fitted(records: list[dict], stat: str) -> Calibration:
+    """Units fitted on the records' forward solves and on their training steps less the
+    forward pass (the adjoint solve and the rest of the step)."""
+    forward, backward = [], []
+    for r in records:
+        f, b = _configs(r)
+        seconds = r["seconds"]
+        forward.append((solve_terms(f, 1024, 1), seconds["forward"][stat]))
+        backward.append((solve_terms(b, 1024, 1),
+                         seconds["train_step"][stat] - seconds["forward"][stat]))
+    return Calibration(fit(forward), fit(backward))
+
+
+@pytest.mark.parametrize("stat", ["min", "median"])
+def test_a_model_fitted_on_w2_ranks_its_settings_as_measured(stat):
+    """Fitted on W2's other settings, the model predicts the held-out settings' forward
+    solves within 25%, prices 2 levels below 3 levels and below the default on one rank,
+    as the training steps measured (min and median), and at 64 modelled ranks prices the
+    default 4 levels below 2 and 3 levels and chooses a hierarchy of 3 or more levels."""
+    records = _records("w2")
+    by_name = {r["name"]: r for r in records}
+    cal = _fitted([r for r in records if r["name"] not in HELD_OUT], stat)
+    for name in HELD_OUT:
+        f, _ = _configs(by_name[name])
+        measured = by_name[name]["seconds"]["forward"][stat]
+        assert solve_seconds(f, 1024, 1, cal.forward) == pytest.approx(measured, rel=0.25)
+
+    def modelled(name, ranks):
+        return step_seconds(*_configs(by_name[name]), 1024, ranks, cal)
+
+    def measured(name):
+        return by_name[name]["seconds"]["train_step"][stat]
+
+    assert measured("2 levels") < measured("3 levels") and measured("2 levels") < measured(
+        "default")
+    assert modelled("2 levels", 1) < modelled("3 levels", 1) < modelled("default", 1)
+    assert modelled("default", 64) < min(modelled("2 levels", 64), modelled("3 levels", 64))
+    # the choice among every valid hierarchy at the default's cycles
+    f, b = _configs(by_name["default"])
+    options = hierarchies(Setting(2, 1, 4), f, b, 1024, 5)
+    one, many = (cheapest(options, f, b, 1024, ranks, cal)[0][1] for ranks in (1, 64))
+    assert one.levels == 2 and many.levels >= 3
+    # W1: its measured cheapest setting, 2 levels coarsened by 8, beats the default
+    w1 = {r["name"]: r for r in _records("w1")}
+    fw, bw = (_configs(w1[n]) for n in ("coarsening 8, 2 levels", "default"))
+    assert w1["coarsening 8, 2 levels"]["seconds"]["train_step"][stat] < \
+        w1["default"]["seconds"]["train_step"][stat]
+
+
+# hierarchies ------------------------------------------------------------------------------
+
+def test_only_hierarchies_the_layers_hold_with_stable_coarse_steps_are_candidates():
+    """Every candidate builds all its levels on both passes and its coarsest step spans at
+    most the user's coarsest step; the moves reach coarsenings and levels the user did not
+    set."""
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    options = hierarchies(Setting(2, 1, 3), f, b, 32, 4)
+    assert options
+    for s in options:
+        for cfg in configs_of(s, f, b, 3):
+            grids = build_hierarchy(32, cfg.coarsening_list(), cfg.levels, cfg.min_coarse)
+            assert len(grids) == cfg.levels == s.levels
+            assert grids[-1].stride <= 16
+    found = {(s.levels, s.coarsening) for s in options}
+    assert {(2, 2), (2, 4), (2, 8), (2, 16), (3, 2), (3, 4), (4, 2)} == found
+    assert not valid(Setting(2, 1, 3, coarsening=8), f, b, 3, 32)   # 64 > 16 layers a step
+    assert not valid(Setting(2, 1, 4, coarsening=4), f, b, 3, 32)   # 32 // 4**3 == 0
+
+
+def _moving_policy():
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    base = Setting(2, 1, 3, coarsening=4, coarse="FCF")
+
+    def cost(s):
+        # cheaper with fewer cycles, larger coarsening and F below the fine level
+        if s.exact:
+            return 10.0
+        return ((s.forward + 2 * s.backward) * (1 + 4 / s.coarsening)
+                * (0.8 if s.coarse == "F" else 1.0))
+    moves = Moves(4, valid=lambda s: valid(s, f, b, 3, 32))
+    return Policy(base, cost, threshold=0.25, every=10, max_every=40, warm_trials=False,
+                  moves=moves), base
+
+
+def test_the_policy_moves_between_hierarchies_only_where_measured_errors_allow():
+    """Well below the threshold the cheaper moves are measured: cycles below the user's, a
+    level more, a larger coarsening, F below the fine level; the cheapest within the target
+    is taken, one whose measured error misses the target is not."""
+    p, base = _moving_policy()
+    wanted = p.wanted(0.01)
+    assert replace(base, forward=1) in wanted                # below the user's cycles
+    assert replace(base, coarse="F") in wanted
+    assert replace(base, coarsening=8) not in wanted         # coarsest step too long
+    assert all(p.cost(s) < 0.9 * p.cost(base) for s in wanted)
+    measured = {s: 0.5 for s in wanted}                      # all miss the target
+    assert p.decide(0, 0.01, measured) == (base, "nothing cheaper within threshold")
+    p, base = _moving_policy()
+    measured = {s: 0.1 for s in p.wanted(0.01)}
+    measured[replace(base, forward=1)] = 0.2                 # 0.2 > 0.7 * 0.25
+    new, why = p.decide(0, 0.01, measured)
+    assert why == "cheaper within threshold"
+    assert new == min((s for s, e in measured.items() if e <= 0.175), key=p.cost)
+    assert new != replace(base, forward=1)
+    # above the threshold: FCF below the fine level and a smaller coarsening are among
+    # the more accurate moves
+    p, base = _moving_policy()
+    p.setting = replace(base, coarse="F")
+    assert replace(base, coarse="FCF") in p.wanted(0.9)
+    assert replace(base, coarse="F", coarsening=2) in p.wanted(0.9)
+
+
+# calibrating on a network -----------------------------------------------------------------
+
+def test_calibrating_leaves_training_as_it_was_and_prices_from_the_measurement():
+    """Calibration times exact stepping and a few hierarchies: its units are positive and
+    reproduce exact stepping's forward solve, timed apart, within a factor of 3; the parameters'
+    gradients, the solver options and the next training step are untouched; a controller
+    given the calibration prices settings from it alone, the same every time."""
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    x, y = data("dense", 8)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    cal = calibrate(model, x, repeats=2)
+    assert all(p.grad is not None and torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), grads))
+    assert (model.forward_config, model.backward_config) == (f, b)
+    assert cal.forward.step > 0 and cal.backward.step > 0
+    assert cal.forward.call + cal.forward.interval > 0
+    exact = replace(f, levels=1, max_iter=1)
+    times = []
+    for _ in range(4):          # the fastest of a few, as calibration takes them
+        with model.probing(exact, replace(b, levels=1, max_iter=1)) as stats:
+            model(x).square().mean().backward()
+        times.append(stats["forward"]["seconds"])
+    timed = min(times[1:])
+    assert timed / 3 < solve_seconds(exact, 64, 1, cal.forward) < 3 * timed
+    controller = Controller(model, calibration=cal)
+    setting = Setting(2, 1, 3, coarsening=4, coarse="FCF")
+    assert controller.cost(setting) == step_seconds(f, b, 64, 1, cal)
+    assert controller.cost(setting) == Controller(model, calibration=cal).cost(setting)
+    assert controller.base == setting
+    # the hierarchy chosen for this network by the same numbers is among the valid ones
+    chosen = choose_settings(model, x, calibration=cal)
+    assert all(len(build_hierarchy(64, c.coarsening_list(), c.levels, 1)) == c.levels
+               for c in chosen)
+    assert chosen[0].max_iter == 2 and chosen[1].max_iter == 1
+
+
+def test_bad_calibration_options_are_named():
+    model, _ = build("dense", 32)
+    x, _ = data("dense", 2)
+    for options, words in (({"repeats": 0}, "repeats"), ({"latency": -1.0}, "latency")):
+        with pytest.raises(ValueError, match=words):
+            calibrate(model, x, **options)
+    with pytest.raises(ValueError, match="latency"):
+        Controller(model, latency=-1.0)
+    with pytest.raises(TypeError, match="calibration"):
+        Controller(model, calibration={"forward": 1})
+    with pytest.raises(ValueError, match="ranks"):
+        choose_settings(model, x, ranks=0, calibration=Calibration(
+            Units(1, 1, 1), Units(1, 1, 1)))
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        Controller(model).cost(EXACT_SETTING)
+
+
+@pytest.mark.mpi
+def test_every_rank_calibrates_and_chooses_alike(mpi):
+    """Two ranks time their own solves (their seconds differ) but fit, price and choose
+    from the mean: the calibration, the chosen options and the controller's prices are the
+    same on both."""
+    run = mpi("controller.py", 2, "calibrated", timeout=240)
+    assert run.returncode == 0, run.stderr
+    reports = run.by_rank()
+    assert reports[0]["calibration"]["forward"]["step"] > 0
+    for key in ("calibration", "chosen", "costs"):
+        assert reports[0][key] == reports[1][key], key
