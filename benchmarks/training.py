@@ -8,6 +8,7 @@ in the same invocation.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from mgrit.app.data import digits
 from mgrit.app.loop import evaluate, train_epoch, train_step
 from mgrit.core.config import Config
-from mgrit.nn import LayerParallel, draws
+from mgrit.nn import LayerParallel, choose_settings, draws
 from mgrit.nn.defaults import training_config
 from mgrit.kernels.strategies import is_dense_tanh
 
@@ -112,19 +113,74 @@ def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
             "forward": median_seconds(forward_fn(serial, x), repeats)}
 
 
+def _timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None]
+           ) -> tuple[float, float]:
+    """(median, min) seconds of `repeats` calls of `fn` after one untimed call; `sync`
+    (a barrier of the ranks) before and after each. The minimum is the run least touched
+    by other work on a shared machine."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times)
+
+
 def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
                          kernels: str | None = None) -> dict[str, Any]:
     model, _ = build(work, comm=comm, kernels=kernels)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     barrier = comm.Barrier if comm is not None else (lambda: None)
-    step = median_seconds(train_step_fn(model, work, x, y), repeats, barrier)
+    step, step_min = _timed(train_step_fn(model, work, x, y), repeats, barrier)
     stats = dict(model.stats)
-    forward = median_seconds(forward_fn(model, x), repeats, barrier)
-    return {"train_step": step, "forward": forward, "stats": stats}
+    forward, forward_min = _timed(forward_fn(model, x), repeats, barrier)
+    return {"train_step": step, "forward": forward, "stats": stats,
+            "min": {"train_step": step_min, "forward": forward_min}}
 
 
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
+CHOSEN = "MGRIT, chosen hierarchy"
+HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter")
+
+
+def chosen_variant(work: TrainingWorkload, comm: Any = None) -> TrainingWorkload:
+    """The workload with the hierarchy that the calibrated cost model prices cheapest for
+    its network on the ranks of `comm` (`mgrit.nn.choose_settings`, timed on the
+    workload's own batch; collective), at the workload's cycles."""
+    model, _ = build(work, comm=comm)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    forward, backward = choose_settings(model, lambda: work.loss(model(x), y))
+    return replace(work, forward=forward, backward=backward)
+
+
+def hierarchy(work: TrainingWorkload) -> dict[str, dict[str, Any]]:
+    """The hierarchy options of a workload's two solves, as plain values."""
+    return {kind: {key: getattr(cfg, key) for key in HIERARCHY_KEYS}
+            for kind, cfg in (("forward", work.forward), ("backward", work.backward))}
+
+
+def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
+                   ) -> TrainingWorkload:
+    """`work` with the hierarchy options `hierarchy` gave (read back from a record)."""
+    def config(base: Config, values: dict[str, Any]) -> Config:
+        return replace(base, **{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in values.items()})
+    return replace(work, forward=config(work.forward, options["forward"]),
+                   backward=config(work.backward, options["backward"]))
+
+
+def hierarchy_label(options: dict[str, dict[str, Any]]) -> str:
+    """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way."""
+    f, b = options["forward"], options["backward"]
+
+    def text(value: Any) -> str:
+        return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return (f"L{f['levels']} m{text(f['coarsening'])} {text(f['relax'])} "
+            f"{f['max_iter']}/{b['max_iter']}")
 
 
 def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None
@@ -132,7 +188,10 @@ def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = Non
     """The layer-parallel model's times; for a network whose layers have native kernels
     (convolutions, dense tanh steps) also with torch's kernels only (kernels="torch"),
     which is how much of its speed those kernels give."""
+    chosen = chosen_variant(work, comm)
     out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
+           CHOSEN: {**layer_parallel_times(chosen, repeats, comm),
+                    "hierarchy": hierarchy(chosen)},
            SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
     step = work.network().step()
     if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
@@ -185,22 +244,37 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     work_ratios = {method: ratios(step_work(w)) for method, w in
                    (("layer-parallel mgrit", work), (SEQUENTIAL, sequential_variant(work)))}
     work_ratios[TORCH_KERNELS] = work_ratios["layer-parallel mgrit"]
+    # the chosen hierarchy may differ by rank count: its work is counted per choice
+    chosen_ratios = {p: ratios(step_work(with_hierarchy(work, runs[p][CHOSEN]["hierarchy"])))
+                     for p in ranks}
     records = []
     mgrit_name = "layer-parallel mgrit"
     for metric in ("train_step", "forward"):
         records.append({"workload": name, "method": "serial pytorch", "ranks": 1,
                         "metric": metric, "seconds": serial[metric], "ratio_to_serial": 1.0})
         base = runs[ranks[0]][mgrit_name][metric] * ranks[0]
+        # the strongest sequential baseline: mgrit's own sequential stepping on the first
+        # rank count (one rank, where --ranks starts at 1)
+        sequential = runs[ranks[0]][SEQUENTIAL][metric]
+        sequential_min = runs[ranks[0]][SEQUENTIAL]["min"][metric]
         for p in ranks:
             for method, times in runs[p].items():
                 if method == "ranks" or metric not in times:
                     continue
                 rec = {"workload": name, "method": method, "ranks": p, "metric": metric,
-                       "seconds": times[metric], "ratio_to_serial": times[metric] / serial[metric]}
+                       "seconds": times[metric], "ratio_to_serial": times[metric] / serial[metric],
+                       "ratio_to_sequential": times[metric] / sequential,
+                       "sequential_ranks": ranks[0]}
+                if "min" in times:
+                    rec["min_seconds"] = times["min"][metric]
+                    rec["min_ratio_to_sequential"] = times["min"][metric] / sequential_min
                 if method == mgrit_name:
                     rec["efficiency"] = base / (p * times[metric])
-                if method in work_ratios:
-                    r = work_ratios[method]
+                if method == CHOSEN:
+                    rec["hierarchy"] = times["hierarchy"]
+                    rec["hierarchy_label"] = hierarchy_label(times["hierarchy"])
+                r = chosen_ratios[p] if method == CHOSEN else work_ratios.get(method)
+                if r is not None:
                     rec["evaluations_vs_sequential"] = (r["train_total"] if metric == "train_step"
                                                         else r["forward"])
                     rec["arithmetic_vs_sequential"] = (r["train_arithmetic"]
@@ -212,14 +286,22 @@ def timing_records(name: str, ranks: list[int], repeats: int,
                     "metric": "gradient", "forward_cycles": work.forward.max_iter,
                     "backward_cycles": work.backward.max_iter, **quality,
                     "stats": runs[ranks[0]][mgrit_name]["stats"]})
+    for p in ranks:
+        chosen = runs[p][CHOSEN]["hierarchy"]
+        records.append({"workload": name, "method": CHOSEN, "ranks": p, "metric": "gradient",
+                        "hierarchy_label": hierarchy_label(chosen),
+                        "forward_cycles": chosen["forward"]["max_iter"],
+                        "backward_cycles": chosen["backward"]["max_iter"],
+                        **gradient_quality(with_hierarchy(work, chosen))})
     return records
 
 
 def print_timing(name: str, records: list[dict[str, Any]]) -> None:
     work = TRAINING_WORKLOADS[name]()
     print(f"{name.upper()}: {work.description}")
-    print(f"{'metric':>10}  {'method':>40}  {'ranks':>5}  {'ms':>9}  {'vs serial':>9}  "
-          f"{'efficiency':>10}  {'evals/seq':>9}  {'arith/seq':>9}")
+    print(f"{'metric':>10}  {'method':>40}  {'ranks':>5}  {'ms':>9}  {'min ms':>9}  "
+          f"{'vs serial':>9}  {'vs seq':>7}  {'min/seq':>7}  {'efficiency':>10}  "
+          f"{'evals/seq':>9}  {'arith/seq':>9}")
     for rec in records:
         if rec["metric"] == "gradient":
             continue
@@ -227,11 +309,26 @@ def print_timing(name: str, records: list[dict[str, Any]]) -> None:
         evals = rec.get("evaluations_vs_sequential")
         evals_text = (f"{evals:9.2f}  {rec['arithmetic_vs_sequential']:9.2f}"
                       if evals is not None else f"{'-':>9}  {'-':>9}")
+        seq = (f"{rec['ratio_to_sequential']:7.2f}" if "ratio_to_sequential" in rec
+               else f"{'-':>7}")
+        least = (f"{rec['min_seconds'] * 1e3:9.2f}" if "min_seconds" in rec else f"{'-':>9}")
+        least_seq = (f"{rec['min_ratio_to_sequential']:7.2f}"
+                     if "min_ratio_to_sequential" in rec else f"{'-':>7}")
         print(f"{rec['metric']:>10}  {rec['method']:>40}  {rec['ranks']:>5}  "
-              f"{rec['seconds'] * 1e3:9.2f}  {rec['ratio_to_serial']:9.2f}  {eff}  {evals_text}")
+              f"{rec['seconds'] * 1e3:9.2f}  {least}  {rec['ratio_to_serial']:9.2f}  {seq}  "
+              f"{least_seq}  {eff}  {evals_text}")
     print("evals/seq: layer evaluations the solver asked (forward, adjoint, recomputed values; "
           "a coarse step counts as one) over sequential stepping's, all ranks together; "
-          "arith/seq: those that cost arithmetic (zero cotangents map to zero for free)")
+          "arith/seq: those that cost arithmetic (zero cotangents map to zero for free); "
+          "ms: median, min ms: fastest run; vs seq, min/seq: median and fastest over mgrit's "
+          "own sequential stepping's (levels=1, same kernels) on "
+          f"{next(r['sequential_ranks'] for r in records if 'sequential_ranks' in r)} rank(s), "
+          "the strongest sequential baseline")
+    for rec in records:
+        if rec["metric"] == "gradient" and rec["method"] == CHOSEN:
+            print(f"{CHOSEN} on {rec['ranks']} rank(s): {rec['hierarchy_label']}; gradient "
+                  f"vs exact: cosine {rec['cosine']:.4f}, relative error "
+                  f"{rec['relative_error']:.3g}")
     grad = next(r for r in records if r["metric"] == "gradient")
     print(f"gradient with {grad['forward_cycles']} forward / {grad['backward_cycles']} backward "
           f"cycles vs exact: cosine {grad['cosine']:.4f}, relative error "

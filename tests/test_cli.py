@@ -72,12 +72,27 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     # stepped sequentially with its own kernels, so the algorithm's gain shows apart
     assert set(steps) == {"serial pytorch", "layer-parallel mgrit",
                           "sequential stepping, mgrit kernels",
-                          "layer-parallel mgrit, torch kernels"}
+                          "layer-parallel mgrit, torch kernels", "MGRIT, chosen hierarchy"}
+    sequential = steps["sequential stepping, mgrit kernels"]["seconds"]
     for method in ("layer-parallel mgrit", "sequential stepping, mgrit kernels",
-                   "layer-parallel mgrit, torch kernels"):
+                   "layer-parallel mgrit, torch kernels", "MGRIT, chosen hierarchy"):
         lp = steps[method]
         assert lp["ratio_to_serial"] == pytest.approx(lp["seconds"]
                                                       / steps["serial pytorch"]["seconds"])
+        assert lp["ratio_to_sequential"] == pytest.approx(lp["seconds"] / sequential)
+    # the chosen hierarchy: its gradient recomputed here with the options it names, and
+    # its evaluations those of that hierarchy (2 forward cycles of levels over 2 layers
+    # each at least, where sequential stepping takes one per layer)
+    chosen = steps["MGRIT, chosen hierarchy"]
+    options = chosen["hierarchy"]
+    assert options["forward"]["max_iter"] == 2 and options["backward"]["max_iter"] == 1
+    assert options["forward"]["levels"] >= 2
+    assert chosen["evaluations_vs_sequential"] > 1
+    chosen_grad = next(r for r in records if r["metric"] == "gradient"
+                       and r["method"] == "MGRIT, chosen hierarchy")
+    recomputed = _w2_gradient_quality(options)
+    assert chosen_grad["relative_error"] == pytest.approx(recomputed["relative_error"],
+                                                          rel=1e-4)
     grad = next(r for r in records if r["metric"] == "gradient")
     expected = _w2_gradient_quality()
     assert grad["cosine"] == pytest.approx(expected["cosine"], rel=1e-6)
@@ -90,14 +105,21 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     assert 1e-12 < grad["output_relative_error"] < 0.1
 
 
-def _w2_gradient_quality() -> dict:
+def _w2_gradient_quality(options: dict | None = None) -> dict:
     """The bench's gradient figures recomputed here: W2 at the bench's seed and batch, the
-    inexact gradient of its MGRIT settings against serial autograd, over every parameter."""
+    inexact gradient of its MGRIT settings (or of the hierarchy `options` name) against
+    serial autograd, over every parameter."""
+    from dataclasses import replace
+
     import torch
 
     from benchmarks.workloads import w2_workload
 
     work = w2_workload()
+    if options is not None:
+        work = replace(work, **{kind: replace(getattr(work, kind), **{
+            key: tuple(v) if isinstance(v, list) else v for key, v in options[kind].items()})
+            for kind in ("forward", "backward")})
     torch.manual_seed(0)
     model = work.network().layer_parallel(forward=work.forward, backward=work.backward)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from .controller import (Calibration, Controller, Policy, ProbeResult, Setting, 
 from .serial import ResidualNetwork, ResidualStep, serial_resnet
 from .transformer import TransformerBlock
 
-__all__ = ["Calibration", "CheckpointError", "Controller", "Dropout", "LayerParallel", "Policy", "ProbeResult",
-           "ResidualNetwork", "ResidualStep", "Setting", "TransformerBlock", "calibrate",
-           "choose_settings", "draws",
-           "gradient_agreement", "layer_key", "probe", "serial_resnet", "serial_state_dict"]
+__all__ = ["Calibration", "CheckpointError", "Controller", "Dropout", "LayerParallel", "Policy",
+           "ProbeResult", "ResidualNetwork", "ResidualStep", "Setting", "TransformerBlock",
+           "calibrate", "choose_settings", "draws", "gradient_agreement", "layer_key", "probe",
+           "serial_resnet", "serial_state_dict"]
