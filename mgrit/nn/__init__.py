@@ -7,7 +7,8 @@ transformer block), `checkpoint` and `export` (checkpoints, and the plain networ
 one or a live model), `checks` (what it checks before it solves), `clipping` (gradient clipping by
 the whole network's norm), `defaults` (training's solver settings) and `controller` (how far
 the inexact gradients are from exact ones, and changing the solvers between steps to keep
-them close). The machinery behind them (layer stack, propagators, solvers, ghost layers,
+them close, at the least cost by a model calibrated on the network: `calibrate`,
+`choose_settings`). The machinery behind them (layer stack, propagators, solvers, ghost layers,
 gradients, keyed random draws) lives in `engine`, which never imports these modules."""
 
 from .checkpoint import CheckpointError
