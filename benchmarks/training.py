@@ -188,15 +188,32 @@ def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = Non
     """The layer-parallel model's times; for a network whose layers have native kernels
     (convolutions, dense tanh steps) also with torch's kernels only (kernels="torch"),
     which is how much of its speed those kernels give."""
-    chosen = chosen_variant(work, comm)
     out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
-           CHOSEN: {**layer_parallel_times(chosen, repeats, comm),
-                    "hierarchy": hierarchy(chosen)},
            SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
     step = work.network().step()
     if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
         out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm, kernels="torch")
     return out
+
+
+def chosen_times(work: TrainingWorkload, repeats: int, comm: Any = None
+                 ) -> dict[str, dict[str, Any]]:
+    """The times of the hierarchy chosen for the workload on the ranks of `comm`
+    (`chosen_variant`), with its options, in `layer_parallel_methods`' form."""
+    chosen = chosen_variant(work, comm)
+    return {CHOSEN: {**layer_parallel_times(chosen, repeats, comm),
+                     "hierarchy": hierarchy(chosen)}}
+
+
+def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None
+                ) -> dict[str, dict[str, Any]]:
+    """`layer_parallel_methods` with the chosen hierarchy's row after the workload's own
+    setting's."""
+    methods = layer_parallel_methods(work, repeats, comm)
+    chosen = chosen_times(work, repeats, comm)
+    first = "layer-parallel mgrit"
+    return {first: methods[first], **chosen,
+            **{k: v for k, v in methods.items() if k != first}}
 
 
 def baseline_times(work: TrainingWorkload, repeats: int, comm: Any
@@ -226,7 +243,7 @@ def worker(name: str, repeats: int) -> dict[str, Any] | None:
         record = {"runs": [train_digits(comm=comm), train_digits(comm=comm, sequential=True)]}
     else:
         work = TRAINING_WORKLOADS[name]()
-        record = layer_parallel_methods(work, repeats, comm)
+        record = all_methods(work, repeats, comm)
         if comm.size > 1:
             record.update(baseline_times(work, repeats, comm))
     return {"ranks": comm.size, **record} if comm.rank == 0 else None
@@ -237,7 +254,7 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     """Serial PyTorch and the layer-parallel model on each rank count, as records."""
     work = TRAINING_WORKLOADS[name]()
     serial = serial_times(work, repeats)
-    runs = {p: layer_parallel_methods(work, repeats) if p == 1 else launch(name, p, repeats)
+    runs = {p: all_methods(work, repeats) if p == 1 else launch(name, p, repeats)
             for p in ranks}
     # layer evaluations relative to sequential stepping (N forward + N adjoint), counted in
     # this process: the total over the ranks, which the rank count does not change
