@@ -256,3 +256,43 @@ def test_every_rank_calibrates_and_chooses_alike(mpi):
     assert reports[0]["calibration"]["forward"]["step"] > 0
     for key in ("calibration", "chosen", "costs"):
         assert reports[0][key] == reports[1][key], key
+
+
+class _Forced(Policy):
+    """Measures nothing and moves to `target` at the first probe."""
+
+    def __init__(self, base, target):
+        super().__init__(base, lambda s: 1.0, every=2, max_every=2, warm_trials=False)
+        self.target = target
+
+    def wanted(self, error):
+        return []
+
+    def decide(self, step, error, candidates, indicator=None):
+        self.last_probe, self.setting = step, self.target
+        return self.target, "forced"
+
+
+def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
+    """A move to more levels than the user's, another coarsening and F below the fine level
+    and one forward cycle fewer: the next step's gradient is the one a model built with the
+    options the move names computes (same weights, same batch)."""
+    f = replace(training_config("forward", 3, 2), min_coarse=1)
+    b = replace(training_config("backward", 3, 2), min_coarse=1)
+    model, _ = build("dense", 16, f, b)
+    x, y = data("dense", 6)
+    loss_fn = torch.nn.functional.cross_entropy
+    target = Setting(1, 1, 4, coarsening=2, coarse="F")
+    controller = Controller(model, policy=_Forced(Setting(2, 1, 3, coarsening=2,
+                                                          coarse="FCF"), target))
+    loss_fn(model(x), y).backward()
+    controller.after_backward(lambda: loss_fn(model(x), y))
+    forward, backward = model.forward_config, model.backward_config
+    assert (forward.levels, forward.max_iter, forward.relax) == (4, 1, ("F", "F", "F"))
+    assert (backward.levels, backward.max_iter) == (4, 1)
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    fresh, _ = build("dense", 16, forward, backward)
+    loss_fn(fresh(x), y).backward()
+    for a, b_ in zip(model.parameters(), fresh.parameters()):
+        assert torch.allclose(a.grad, b_.grad, rtol=1e-10, atol=1e-12)
