@@ -40,7 +40,7 @@ U0 = torch.tensor(1.0, dtype=torch.float64)
     (dict(cycle="W"), ValueError, "'V', 'F'"),
     (dict(initial_guess="random"), ValueError, "'zero', 'nested'"),
     (dict(tol_kind="rel"), ValueError, "'absolute', 'relative'"),
-    (dict(execution="threads"), ValueError, "'auto', 'loop', 'batched', 'streams'"),
+    (dict(execution="threads"), ValueError, "'auto', 'loop', 'batched'"),
     (dict(tol=-1.0), ValueError, "tol must be >= 0"),
     (dict(tol=math.nan), TypeError, "tol must be a finite number"),
     (dict(max_iter=0), ValueError, "max_iter must be >= 1"),

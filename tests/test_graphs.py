@@ -91,9 +91,12 @@ def test_states_off_cuda_and_propagators_without_a_key_run_eagerly():
     assert (len(calls), log) == (6, [])
 
 
-def test_config_refuses_graphs_with_streams_and_non_booleans():
-    with pytest.raises(ValueError, match="execution='streams' runs its own streams"):
-        mgrit.Config(cuda_graphs=True, execution="streams")
+def test_config_refuses_retired_streams_and_non_boolean_graphs():
+    # the retired executor is refused with the measurement and what to use instead
+    for graphs in (False, True):
+        with pytest.raises(ValueError, match=r"(?s)'streams'.*retired.*30 to 50 times.*"
+                                             r"docs/results.md.*execution='batched'"):
+            mgrit.Config(cuda_graphs=graphs, execution="streams")
     with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 1"):
         mgrit.Config(cuda_graphs=1)
 

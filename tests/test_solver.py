@@ -120,12 +120,11 @@ def test_heat_multilevel_convergence_factor_below_quarter(cycle, levels, relax):
 def test_loop_and_batched_relaxation_agree(name, cycle, relax, guess):
     prop, u0, n, t1 = PROBLEMS[name]()
     runs = {}
-    for execution in ("loop", "batched", "streams"):
+    for execution in ("loop", "batched"):
         cfg = mgrit.Config(levels=3, coarsening=4, relax=relax, cycle=cycle, initial_guess=guess,
                            tol=0.0, max_iter=4, min_coarse=1, execution=execution)
         runs[execution] = mgrit.solve(prop, u0, n, 0.0, t1, cfg)
     loop, batched = runs["loop"], runs["batched"]
-    assert runs["streams"].residuals == loop.residuals   # a loop on a CPU
     scale = loop.residuals[0]
     assert len(loop.residuals) == len(batched.residuals) > 0
     for a, b in zip(loop.residuals, batched.residuals):

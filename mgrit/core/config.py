@@ -12,7 +12,15 @@ RELAX_KINDS = ("F", "FCF")
 CYCLE_KINDS = ("V", "F")
 GUESS_KINDS = ("zero", "nested", "warm")
 TOL_KINDS = ("absolute", "relative")
-EXECUTIONS = ("auto", "loop", "batched", "streams")
+EXECUTIONS = ("auto", "loop", "batched")
+# executors that existed once, and why they are gone: a config naming one gets the reason
+RETIRED_EXECUTIONS = {
+    "streams": "execution='streams' (interval groups on separate CUDA streams) was retired: "
+               "on an H200 it took 30 to 50 times as long as 'batched' on every workload "
+               "measured, forward and training step alike (docs/results.md, "
+               "docs/results/gpu-h200.json); use execution='batched' (or 'auto'), with "
+               "cuda_graphs=True on a GPU",
+}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -55,8 +63,8 @@ class Config:
     max_iter:       most cycles
     divergence_factor: a residual above this multiple of the first one, or
                     one that is not finite, stops the solve with DivergenceError
-    execution:      "auto" (batched when the propagator has step_batch), "loop",
-                    "batched", or "streams" (interval groups on CUDA streams; a loop on CPU)
+    execution:      "auto" (batched when the propagator has step_batch), "loop" or
+                    "batched" ("streams" was retired: `RETIRED_EXECUTIONS` says why)
     cuda_graphs:    capture each relaxation sweep (the batched sub-steps of an
                     F-relaxation, a sequential march) in a CUDA graph at its second use
                     and replay it after, where the states are CUDA tensors and the
@@ -106,13 +114,11 @@ class Config:
             raise ValueError(f"divergence_factor must be > 1, got {self.divergence_factor}")
         _check_choice("cycle", self.cycle, CYCLE_KINDS)
         _check_choice("tol_kind", self.tol_kind, TOL_KINDS)
+        if self.execution in RETIRED_EXECUTIONS:
+            raise ValueError(RETIRED_EXECUTIONS[self.execution])
         _check_choice("execution", self.execution, EXECUTIONS)
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.execution == "streams":
-            raise ValueError("cuda_graphs=True captures the loop or batched executor's sweeps; "
-                             "execution='streams' runs its own streams, which a capture would "
-                             "have to join: use execution='batched' (or 'auto') with it")
         guess = self.initial_guess
         if not isinstance(guess, torch.Tensor) and guess not in GUESS_KINDS:
             raise ValueError(f"initial_guess={guess!r} is not valid; choose one of "

@@ -1,6 +1,5 @@
 """How independent work inside one rank runs: the intervals of a level advanced by a loop
-of single steps, by one batched call, or in groups on separate CUDA streams; and CUDA graphs
-of whole relaxation sweeps. The solver asks `make_executor` for the one that
+of single steps or by one batched call, and CUDA graphs of whole relaxation sweeps. The solver asks `make_executor` for the one that
 `Config.execution` names and never touches a device API itself."""
 
 from __future__ import annotations
@@ -8,10 +7,9 @@ from __future__ import annotations
 from ..core.propagator import Capabilities
 from .executors import BatchedExecutor, Executor, LoopExecutor, write_result
 from .graphs import CudaCapture, SweepGraphs
-from .streams import StreamExecutor
 
-__all__ = ["BatchedExecutor", "CudaCapture", "Executor", "LoopExecutor", "StreamExecutor",
-           "SweepGraphs", "make_executor", "write_result"]
+__all__ = ["BatchedExecutor", "CudaCapture", "Executor", "LoopExecutor", "SweepGraphs",
+           "make_executor", "write_result"]
 
 
 def make_executor(execution: str, caps: Capabilities, cuda_graphs: bool = False,
@@ -22,10 +20,6 @@ def make_executor(execution: str, caps: Capabilities, cuda_graphs: bool = False,
     if execution == "batched" and not batched:
         raise ValueError(f"execution='batched' needs a propagator with step_batch; "
                          f"{name} has none")
-    if execution == "streams":
-        if cuda_graphs:
-            raise ValueError("cuda_graphs needs the loop or batched executor, not 'streams'")
-        return StreamExecutor(caps)
     executor: Executor = (LoopExecutor(caps) if execution == "loop" or not batched
                           else BatchedExecutor(caps))
     if cuda_graphs:
