@@ -17,6 +17,7 @@ from ..execute import make_executor
 from .checks import (check_guess, check_number, check_step, check_u0,
                      warn_below_round_off)
 from .config import Config
+from .device_history import DeviceHistory
 from .grid import build_hierarchy, check_blocks, level0_blocks, local_levels
 from .level import Level
 from .propagator import Capabilities, Propagator
@@ -68,6 +69,9 @@ class Solver:
     # whether cycles whose phases are all compiled are recorded once and replayed (tests
     # turn it off to compare; the results are the same to the bit)
     replays = True
+    # a solve that a CUDA graph can hold: no host reads, a fixed number of cycles, the
+    # residual norms kept on the device (`mgrit.core.device_history`)
+    captured = False
 
     def __init__(self, prop: Propagator, like: Tensor, num_steps: int, t0: float, t1: float,
                  config: Config | None = None, comm: Comm | Any = None,
@@ -211,9 +215,10 @@ class Solver:
                 self._cycle(ops, l, "V", True)
 
     # residuals -------------------------------------------------------------------
-    def _local_residual(self) -> float:
-        """This rank's part of the squared residual norm (`Residuals.local`)."""
-        return self._residuals.local()
+    def _local_residual(self, history: History) -> Any:
+        """This rank's part of the squared residual norm, as `history` keeps it: a float
+        (`Residuals.local`) or, in a captured solve, a device scalar."""
+        return history.local()
 
     def _final_row(self) -> Tensor:
         """The state at t1 in level 0's storage (on the rank that holds it)."""
@@ -275,7 +280,7 @@ class Solver:
         """Cycles from the initial guess until the residual history stops them: converged,
         diverged (raised), or max_iter cycles done (docs/solver.md)."""
         cfg = self.config
-        check_u0(u0, self.shape, self.dtype)
+        check_u0(u0, self.shape, self.dtype, finite=not self.captured)
         if not self._step_checked:
             check_step(self.caps, type(self.prop).__name__, self.levels[0], u0)
             self._step_checked = True
@@ -286,15 +291,17 @@ class Solver:
         # with tol = 0 a multilevel solve runs all its cycles whatever the residuals are:
         # their norms are reduced once, at the end (`DeferredHistory`)
         kind = DeferredHistory if cfg.tol == 0.0 and multilevel else History
+        if self.captured:
+            kind = DeviceHistory
         history = kind(self._residuals, cfg.tol, cfg.tol_kind == "relative",
                        cfg.divergence_factor, self._drain)
         for iteration in range(cfg.max_iter):
             if iteration == 0 and multilevel:
                 f_relax(self.levels[0], self.executor)
             if iteration == 0 and history.relative:
-                history.start(self._local_residual())
+                history.start(self._local_residual(history))
             self._run_cycle()
-            history.add(self._local_residual())
+            history.add(self._local_residual(history))
             self._ops.final_sweep(False)
             if history.done():
                 break

@@ -10,7 +10,7 @@ once at the end, together with the state at t1 (`Residuals.norms_and_final`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -45,6 +45,8 @@ class Residuals:
         self._phi_cache: tuple[int, Tensor] | None = None
         # the fine C-points' rows and a buffer for their residual (`local`)
         self._views: tuple[Tensor, Tensor] | None = None
+        # the static buffers of a captured solve's device history (`mgrit.core.device_history`)
+        self.device_norms: Any = None
 
     def forget(self) -> None:
         """A new solve begins: Phi of an earlier solve's states is stale."""
@@ -63,12 +65,29 @@ class Residuals:
 
     def local(self) -> float:
         """This rank's part of the squared residual norm."""
+        difference = self.difference()
+        if difference is None:
+            return 0.0
+        return float(torch.linalg.vector_norm(difference)) ** 2
+
+    def local_into(self, out: Tensor) -> None:
+        """`local` written into the float64 scalar `out`, on the states' device and with no
+        host read: float(norm) ** 2 in double, the same value to the bit."""
+        difference = self.difference()
+        if difference is None:
+            out.zero_()
+        else:
+            torch.square(torch.linalg.vector_norm(difference).to(torch.float64), out=out)
+
+    def difference(self) -> Tensor | None:
+        """Phi(u_{c-1}) - u_c at the rank's C-points of level 0, in a buffer kept for it;
+        None where the rank has none (or level 0 is the only level)."""
         fine = self.fine
         if fine.empty or fine.grid.is_coarsest:
-            return 0.0
+            return None
         first_c, count = fine.c_points()
         if not count:
-            return 0.0
+            return None
         phi = self.phi_at_c_points(first_c, count)
         views = self._views
         if views is None:
@@ -77,7 +96,7 @@ class Residuals:
             u_c = fine.u[fine.rows(first_c, fine.grid.coarsening, count)]
             views = self._views = (u_c, torch.empty_like(u_c))
         torch.sub(phi, views[0], out=views[1])
-        return float(torch.linalg.vector_norm(views[1])) ** 2
+        return views[1]
 
     def norm(self, local: float) -> float:
         """The residual norm over all ranks from this rank's part."""
@@ -138,6 +157,10 @@ class History:
         self.initial: float | None = None     # the guess's, for a relative tolerance
         self.converged = False
 
+    def local(self) -> float:
+        """This rank's part of the squared norm of the latest cycle's residual."""
+        return self.residuals.local()
+
     def start(self, local: float) -> None:
         """The guess's residual (this rank's part), after its first F-relaxation."""
         self.initial = self.residuals.norm(local)
@@ -158,18 +181,7 @@ class History:
         return None
 
     def _check(self, norms: list[float]) -> None:
-        """Raise (every rank alike, holding the same norms) at the first cycle whose
-        residual is not finite or grew past `factor` times the first cycle's."""
-        for k, r in enumerate(norms):
-            if not math.isfinite(r) or r > self.factor * norms[0]:
-                self.drain()
-                history = norms[:k + 1]
-                raise DivergenceError(
-                    f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
-                    f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
-                    "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
-                    "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
-                    "use fewer levels, a smaller coarsening, or more steps.", history)
+        check_divergence(norms, self.factor, self.drain)
 
 
 class DeferredHistory(History):
@@ -203,3 +215,18 @@ class DeferredHistory(History):
         self._check(self.norms)
         self.converged = self.norms[-1] <= 0.0
         return final
+
+
+def check_divergence(norms: list[float], factor: float, drain: Callable[[], None]) -> None:
+    """Raise (every rank alike, holding the same norms) at the first cycle whose residual is
+    not finite or grew past `factor` times the first cycle's, after `drain`."""
+    for k, r in enumerate(norms):
+        if not math.isfinite(r) or r > factor * norms[0]:
+            drain()
+            history = norms[:k + 1]
+            raise DivergenceError(
+                f"MGRIT diverged: residual {r:.3e} after cycle {k + 1} "
+                f"(history {', '.join(f'{x:.3e}' for x in history)}). The usual cause "
+                "is an unstable coarse step: forward Euler (a ResNet step) on a coarse "
+                "level needs |1 + m^l h xi| < 1 for the eigenvalues xi of its Jacobian; "
+                "use fewer levels, a smaller coarsening, or more steps.", history)

@@ -278,7 +278,7 @@ class LayerParallel(nn.Module):
             self._forward_token += 1
         # the norm of the given state: what the residuals are relative to
         self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals,
-                                 "initial_norm": float(torch.linalg.vector_norm(u0)),
+                                 "initial_norm": self._passes.initial_norm(u0, keep),
                                  "seconds": seconds}
         return res.final
 
@@ -289,7 +289,7 @@ class LayerParallel(nn.Module):
             start = time.perf_counter()
             res, recorded = self._passes.solve_backward(grad_out, grad_u0)
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals,
-                                      "initial_norm": float(torch.linalg.vector_norm(grad_out)),
+                                      "initial_norm": self._passes.initial_norm(grad_out),
                                       "seconds": time.perf_counter() - start}
             grads = layer_gradients(self.layers, recorded)
             context = self.layers.context

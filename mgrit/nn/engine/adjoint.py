@@ -57,6 +57,9 @@ class AdjointPropagator:
         self._program_key: Hashable | None = None
         self._record_key: Hashable | None = None
         self._max_parallel = 0
+        # whether all-zero cotangents are found (a host read) and skipped; a captured
+        # solve computes them like any other
+        self.skip_zero_rows = True
 
     def begin(self) -> None:
         """A new backward solve: new forward states, no gradients yet, the step strategy
@@ -137,7 +140,7 @@ class AdjointPropagator:
         to the bit."""
         kernels = self.kernels
         record = self.recording and level == 0
-        if not kernels.skips_zeros:
+        if not kernels.skips_zeros and self.skip_zero_rows:
             nonzero = nonzero_rows(ws)
             if not all(nonzero):
                 return self._vjp_nonzero(t, us, ws, layers, level, dt, nonzero, record)
@@ -179,7 +182,7 @@ class AdjointPropagator:
         p = self._layer_point(s)
         u = self.states[p - self.offset]
         if (self.kernels.keeps_values or (self.recording and s.level == 0)
-                or not is_nonzero(w)):
+                or (self.skip_zero_rows and not is_nonzero(w))):
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level,
                              s.dt)[0]
         if self._random:
@@ -210,7 +213,7 @@ class AdjointPropagator:
             # with the forward's outputs at hand the kernel makes the zero check itself
             kernels.vjp_single_into(p, views, w, s.dt, out, g, kept)
             return
-        if not is_nonzero(w):
+        if self.skip_zero_rows and not is_nonzero(w):
             if g is None:
                 out.zero_()
             else:
@@ -226,8 +229,10 @@ class AdjointPropagator:
         key = (first, stride, steps.count)
         batch = self._gathered.get(key)
         if batch is None:
-            points = torch.arange(first, first + stride * steps.count, stride)
-            us = self.states.index_select(0, (points - self.offset).to(self.states.device))
-            batch = self._gathered[key] = [points.tolist(), us, None]
+            # the rows made on the device and the points in Python: no copy either way
+            rows = torch.arange(first - self.offset, first - self.offset + stride * steps.count,
+                                stride, device=self.states.device)
+            points = list(range(first, first + stride * steps.count, stride))
+            batch = self._gathered[key] = [points, self.states.index_select(0, rows), None]
         tensors = self.stack.rows(first, stride, steps.count)
         return self._vjp(tensors, batch[1], ws, batch[0], steps.level, steps.dt, batch)

@@ -48,6 +48,16 @@ class Passes:
         # ("forward" or "backward", shape, dtype, device) -> the level-0 rows a solver of the
         # options before `set_configs` left, for the solver that replaces it
         self._carried: dict[tuple, Tensor] = {}
+        # whether training's solves are captured ones (`set_captured`)
+        self.captured = False
+
+    def set_captured(self, captured: bool) -> None:
+        """Solve the passes with gradients as captured solves (`Solver.captured`: no host
+        reads, residual norms on the device) or not; their solvers are built again, warm
+        from the states the old ones left."""
+        if captured != self.captured:
+            self.captured = captured
+            self.set_configs(self.forward_config, self.backward_config, self.backward_strides)
 
     def set_configs(self, forward: Config, backward: Config, backward_strides: list[int],
                     carry: bool = True) -> None:
@@ -70,6 +80,13 @@ class Passes:
         self.forward_solvers = {key: s for key, s in self.forward_solvers.items() if key[4]}
         self.adjoint_solvers = {}
 
+    def initial_norm(self, x: Tensor, keep: bool = True) -> Tensor | float:
+        """The norm of a pass's given state (`keep`: a pass with gradients), what its
+        residuals are relative to: a float, or in a captured pass a device scalar, as its
+        residuals are (no host read)."""
+        norm = torch.linalg.vector_norm(x)
+        return norm if keep and self.captured else float(norm)
+
     def _built(self, kind: str, key: tuple, solver: Solver) -> Solver:
         """A new solver, started from what its predecessor left (`set_configs`)."""
         rows = self._carried.pop((kind, *key[:3]), None)
@@ -88,6 +105,7 @@ class Passes:
             solver = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
                             self.forward_comm, blocks=self.blocks,
                             final_sweep=prop.final_sweep)
+            solver.captured = keep and self.captured
             self.forward_solvers[key] = self._built("forward", key, solver) if keep else solver
         return self.forward_solvers[key]
 
@@ -103,6 +121,8 @@ class Passes:
             solver = Solver(prop, like, self.num_steps, 0.0, self.t_final,
                             self.backward_config, self.backward_comm,
                             blocks=self.adjoint_blocks, final_sweep=prop.final_sweep)
+            solver.captured = self.captured
+            prop.skip_zero_rows = not self.captured
             self.adjoint_solvers[key] = self._built("backward", key, solver)
         return self.adjoint_solvers[key]
 
