@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..core.device_history import check_norms
+from ..execute import CudaCapture
 from .capture_guard import HostSyncError, culprit, host_reads_forbidden
 from .layer_parallel import LayerParallel
 
@@ -85,7 +86,11 @@ class CapturedStep:
         self._key: tuple | None = None
         self._stage = 0
         self._graph: Any = None
+        # warm-up runs and captures on one side stream (`CudaCapture`, or a stand-in with
+        # its `warm_up` and `capture`)
+        self._capturer: Any = CudaCapture()
         self.steps = 0
+        self.captures = 0
         model._passes.set_captured(True)
 
     # checks -----------------------------------------------------------------------------
@@ -204,27 +209,22 @@ class CapturedStep:
             yield
 
     def _warm(self, run: Callable[[], None]) -> None:
-        """An eager step; on CUDA on a side stream, as capturing asks of what it captures
+        """An eager step; before a capture on the stream that captures, as capturing asks
         (libraries make per-stream handles at their first use)."""
-        if self.device.type != "cuda":
+        if self.graphs:
+            self._capturer.warm_up(self.inputs[0], run)
+        else:
             run()
-            return
-        stream, caller = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            run()
-        caller.wait_stream(stream)
 
     def _capture(self) -> None:
         """Capture the step as one CUDA graph and replay it (capturing runs nothing)."""
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                self._run()
+            graph = self._capturer.capture(self.inputs[0], self._run)
         except RuntimeError as err:
             raise CaptureError(f"capturing the training step failed ({err}): something in "
                                "it copies between host and device or synchronises") from err
         self._graph = graph
+        self.captures += 1
         graph.replay()
 
     # residual histories -----------------------------------------------------------------

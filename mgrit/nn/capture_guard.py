@@ -36,9 +36,12 @@ class HostSyncError(Exception):
 
 
 def _from_comm() -> bool:
-    """Whether the guarded method's caller is the communicator (its frame is two up)."""
-    name = sys._getframe(2).f_globals.get("__name__", "")
-    return name.startswith("mgrit.comm")
+    """Whether the guarded method's caller is the communicator: the first frame up that is
+    not a guard's (guards nest: an outer one is called by an inner one)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("mgrit.comm")
 
 
 def _to_host(tensor: Tensor, args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,308 @@
+"""The captured training step (`mgrit.nn.CapturedStep`) on the CPU: the eager step's numbers
+to the bit, the same storage every step, no host read inside a step, and a clear refusal of
+what a CUDA graph cannot hold. The CUDA graph itself is replaced by a stand-in that replays
+by running the step again, which is what a graph's replay computes."""
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+from mgrit.core.cycle import Solver
+from mgrit.nn import CapturedStep, CaptureError
+from mgrit.nn.capture import _check_optimizer
+from mgrit.nn.capture_guard import HostSyncError, host_reads_forbidden
+
+from cases import resnet_problem
+from nets import build, data
+
+FORWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
+BACKWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
+WARM = mgrit.Config(levels=2, coarsening=4, tol=0.0, max_iter=2, tol_kind="relative",
+                    initial_guess="warm", relax="F")
+
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+def optimizer(name, model):
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def batches(kind, count):
+    return [data(kind, 4, seed=k) for k in range(count)]
+
+
+def eager_run(kind, opt_name, forward, backward, steps, change=None):
+    """Losses, parameters and residual histories of plain eager training steps."""
+    model, _ = build(kind, 8, forward, backward)
+    opt = optimizer(opt_name, model)
+    losses, histories = [], []
+    for k, (x, y) in enumerate(batches(kind, steps)):
+        if change is not None and k == change[0]:
+            model.set_solvers(*change[1])
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        histories.append({p: model.stats[p]["residuals"] for p in ("forward", "backward")})
+    return losses, [p.detach().clone() for p in model.parameters()], histories
+
+
+class _ReplayByRunning:
+    """A CPU stand-in for CUDA capture: `capture` records the step and its graph's replay
+    runs it, as a graph's replay computes what was captured."""
+
+    def __init__(self):
+        self.warm_ups = self.captured = self.replays = 0
+
+    def warm_up(self, like, run):
+        self.warm_ups += 1
+        run()
+
+    def capture(self, like, run):
+        stand_in = self
+
+        class Graph:
+            def replay(self):
+                stand_in.replays += 1
+                run()
+
+        self.captured += 1
+        return Graph()
+
+
+@pytest.mark.parametrize("kind", ["dense", "gelu", "conv"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("configs", [(FORWARD, BACKWARD), (WARM, WARM)], ids=["zero", "warm"])
+def test_captured_step_gives_the_eager_steps_numbers_to_the_bit(kind, opt_name, configs):
+    """Same losses, parameters after 5 SGD-momentum or Adam steps, and residual histories
+    (the device tensors against the eager lists), bit for bit: the same kernels run on the
+    same values; the only differences are where values live (norms on the device, squared
+    and summed in float64 either way) and all-zero cotangents being computed rather than
+    skipped, which gives the same zeros."""
+    steps = 5
+    losses, params, histories = eager_run(kind, opt_name, *configs, steps)
+    model, _ = build(kind, 8, *configs)
+    step = CapturedStep(model, loss_fn, optimizer(opt_name, model), *data(kind, 4, seed=9))
+    for k, (x, y) in enumerate(batches(kind, steps)):
+        loss = step.step(x, y)
+        assert loss.item() == losses[k]
+        history = step.history()
+        for kind_ in ("forward", "backward"):
+            assert history[kind_].dtype == torch.float64
+            assert history[kind_].tolist() == histories[k][kind_]
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def _storage(step):
+    """data_ptr of everything a step must keep where it is."""
+    model, opt = step.model, step.optimizer
+    ptrs = {"input": step.inputs[0].data_ptr(), "target": step.inputs[1].data_ptr(),
+            "loss": step.loss.data_ptr()}
+    for i, p in enumerate(model.parameters()):
+        ptrs[f"param {i}"] = p.data_ptr()
+        ptrs[f"grad {i}"] = p.grad.data_ptr()
+        for name, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor):
+                ptrs[f"{name} {i}"] = value.data_ptr()
+    passes = model._passes
+    for kind, solvers in (("forward", passes.forward_solvers),
+                          ("backward", passes.adjoint_solvers)):
+        for key, solver in solvers.items():
+            for level in solver.levels:
+                for name in ("u", "v", "g"):
+                    tensor = getattr(level, name, None)
+                    if tensor is not None:
+                        ptrs[f"{kind} {key[:2]} level {level.index} {name}"] = tensor.data_ptr()
+    for kind, norms in step.history().items():
+        ptrs[f"{kind} residuals"] = norms.data_ptr()
+    return ptrs
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_states_gradients_optimizer_state_and_inputs_stay_where_they_are(opt_name):
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer(opt_name, model), *data("dense", 4))
+    pairs = batches("dense", 6)
+    step.step(*pairs[0])
+    first = _storage(step)
+    assert sum(name.startswith("grad") for name in first) == len(list(model.parameters()))
+    assert any(name.startswith(("momentum_buffer", "exp_avg")) for name in first)
+    assert any(" level " in name for name in first)
+    for x, y in pairs[1:]:
+        step.step(x, y)
+        assert _storage(step) == first
+
+
+def test_no_host_read_inside_a_step_and_the_guard_is_live():
+    """Steps after the warm-up under the guard complete, with the eager step's numbers; the
+    guard does refuse a host read (so the completed steps made none)."""
+    losses, params, _ = eager_run("dense", "adam", FORWARD, BACKWARD, 5)
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("adam", model), *data("dense", 4),
+                        check=False)
+    for k, (x, y) in enumerate(batches("dense", 5)):
+        if k == 0:
+            step.step(x, y)     # builds the solvers and the optimizer's state
+            continue
+        with step.guarded():
+            loss = step.step(x, y)
+            for read in (lambda: loss.item(), lambda: float(loss), lambda: bool(loss),
+                         lambda: loss.tolist(), lambda: loss.numpy(), lambda: loss.cpu()):
+                with pytest.raises(HostSyncError):
+                    read()
+        step.check()
+        assert loss.item() == losses[k]
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    # every patched method is restored
+    assert torch.ones(()).item() == 1.0 and bool(torch.ones(()))
+
+
+class _OpeningReads(nn.Linear):
+    """Normalises by a scale read on the host (the step modules cannot: vmap refuses it)."""
+
+    def forward(self, x):
+        return super().forward(x / x.abs().max().item())
+
+
+class _ClosingReads(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * float(x.abs().max() < 1e6)
+
+
+@pytest.mark.parametrize("where", ["opening", "closing"])
+def test_a_module_that_reads_the_host_is_refused_with_its_name(where):
+    torch.manual_seed(0)
+    opening = _OpeningReads(5, 8) if where == "opening" else nn.Linear(5, 8)
+    closing = _ClosingReads(8, 3) if where == "closing" else nn.Linear(8, 3)
+    model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 8,
+                                forward=FORWARD, backward=BACKWARD, opening=opening,
+                                closing=closing).double()
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    step.step(*data("dense", 4))      # the eager first step reads as it likes
+    expected = (r"Tensor\.item\(\).*module 'opening' \(_OpeningReads\), in forward at "
+                r".*test_capture\.py" if where == "opening" else
+                r"Tensor\.float\(\).*module 'closing' \(_ClosingReads\), in forward at "
+                r".*test_capture\.py")
+    with pytest.raises(CaptureError, match=expected):
+        step.step(*data("dense", 4))
+
+
+def test_what_cannot_be_captured_is_refused_before_any_step():
+    model, _ = build("dense", 8, mgrit.Config(levels=2, tol=1e-6, max_iter=5), BACKWARD)
+    x, y = data("dense", 4)
+    with pytest.raises(CaptureError, match=r"forward solve has tol=1e-06.*use tol=0"):
+        CapturedStep(model, loss_fn, optimizer("sgd", model), x, y)
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    model.eval()
+    with pytest.raises(CaptureError, match=r"model\.train\(\)"):
+        CapturedStep(model, loss_fn, optimizer("sgd", model), x, y)
+    torch.manual_seed(0)
+    dropout = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), mgrit.nn.Dropout(0.1)),
+                                  8, forward=FORWARD, backward=BACKWARD)
+    with pytest.raises(CaptureError, match="draws random numbers"):
+        CapturedStep(dropout, loss_fn, optimizer("sgd", dropout), torch.zeros(4, 8),
+                     torch.zeros(4, dtype=torch.long))
+    # on CUDA, torch's optimizers need their step count on the device
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(CaptureError, match=r"Adam runs inside a CUDA graph only with "
+                                           r"capturable=True.*Adam\(\.\.\., capturable=True\)"):
+        _check_optimizer(torch.optim.Adam(params))
+    _check_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+
+
+def test_a_batch_of_another_shape_and_a_later_tolerance_are_refused():
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CaptureError, match=r"input has shape \(6, 5\).*built for shape \(4, 5\)"):
+        step.step(*data("dense", 6))
+    x, y = data("dense", 4)
+    with pytest.raises(CaptureError, match=r"target has shape \(4,\) and dtype torch.int32.*"
+                                           r"torch.int64"):
+        step.step(x, y.int())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    step.step(x, y)
+    model.set_solvers(backward=mgrit.Config(levels=2, tol=1e-8))
+    with pytest.raises(CaptureError, match="backward solve has tol=1e-08"):
+        step.step(x, y)
+
+
+def test_settings_changed_by_set_solvers_are_captured_again():
+    """A captured step replays its graph until set_solvers changes the options; the next
+    steps warm up and capture again, and every step has the eager run's numbers."""
+    more = (mgrit.Config(levels=2, coarsening=4, tol=0.0, max_iter=3, min_coarse=1),
+            mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1))
+    steps, change = 8, 5
+    losses, params, histories = eager_run("dense", "sgd", FORWARD, BACKWARD, steps,
+                                          (change, more))
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    step.graphs = True
+    step._capturer = capturer = _ReplayByRunning()
+    counts = []
+    for k, (x, y) in enumerate(batches("dense", steps)):
+        if k == change:
+            model.set_solvers(*more)
+        assert step.step(x, y).item() == losses[k]
+        assert step.stats()["forward"]["residuals"] == histories[k]["forward"]
+        counts.append((capturer.warm_ups, capturer.captured, capturer.replays))
+    # two warm-ups, a capture (replayed at once) and replays; after the change again
+    assert counts == [(1, 0, 0), (2, 0, 0), (2, 1, 1), (2, 1, 2), (2, 1, 3),
+                      (3, 1, 3), (4, 1, 3), (4, 2, 4)]
+    assert step.stats()["forward"]["iterations"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def test_a_divergent_residual_raises_after_the_step_naming_pass_and_cycle():
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    x, y = data("dense", 4)
+    step.step(x, y)
+    x[0, 0] = float("nan")
+    with pytest.raises(mgrit.DivergenceError, match=r"residual nan after cycle 1") as err:
+        step.step(x, y)
+    assert any("forward solve of a captured training step" in n for n in err.value.__notes__)
+
+
+@pytest.mark.parametrize("tol_kind", ["absolute", "relative"])
+def test_a_captured_solve_keeps_the_deferred_histories_norms_on_the_device(tol_kind):
+    """The solver alone: `Solver.captured` gives the norms of the eager fixed-count solve
+    (DeferredHistory) to the bit, as a float64 tensor, with the same states."""
+    n, t1 = 32, 1.0
+    prop, u0 = resnet_problem(num_steps=n)
+    cfg = mgrit.Config(levels=3, coarsening=4, tol=0.0, max_iter=3, tol_kind=tol_kind)
+    eager = Solver(prop, u0, n, 0.0, t1, cfg).solve(u0)
+    solver = Solver(prop, u0, n, 0.0, t1, cfg)
+    solver.captured = True
+    with host_reads_forbidden():
+        captured = solver.solve(u0)
+    assert isinstance(captured.residuals, torch.Tensor)
+    assert captured.residuals.tolist() == eager.residuals
+    assert captured.iterations == eager.iterations == 3
+    if tol_kind == "relative":
+        assert captured.initial_residual.item() == eager.initial_residual
+    assert torch.equal(captured.final, eager.final)
+    assert torch.equal(captured.states, eager.states)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_captured_step_on_several_ranks_gives_the_eager_steps_numbers(mpi, nprocs):
+    """On 2 and 3 ranks (7 layers, unequal shares) every rank's losses, parameters and
+    residual histories after 4 SGD-momentum and Adam steps are the eager step's to the
+    bit, three of the steps run under the host-read guard, and training moved the
+    parameters (so equal parameters are no accident of a step that did nothing)."""
+    run = mpi("capture.py", nprocs, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for rank, rep in run.by_rank().items():
+        assert rep["size"] == nprocs
+        for name, r in rep["results"].items():
+            assert r["losses"] and r["params"] and r["histories"], (rank, name, r)
+            assert r["guarded"] == 3 and r["cycles"] == [2, 2, 2, 2], (rank, name, r)
+            assert r["moved"] > 1e-3, (rank, name, r)
