@@ -34,7 +34,8 @@ class Result:
     """Outcome of one MGRIT solve.
 
     residuals:  residual norm after each cycle (the convention of docs/design.md,
-                section 2)
+                section 2); a captured solve's are a float64 device tensor
+                (`mgrit.core.device_history`), its `initial_residual` a scalar of it
     iterations: cycles done
     converged:  whether the tolerance was met within max_iter cycles
     final:      the state at t1, on every rank (None where the solve was told it is not
