@@ -343,3 +343,27 @@ def test_on_cuda_the_step_is_one_graph_with_the_eager_steps_numbers(opt_name):
     assert step.captures == 1 and step._graph is not None
     for a, b in zip(eager, model.parameters()):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_closing_gives_the_model_back_to_eager_training():
+    """After close() the same model trains eagerly (float residual lists, a tolerance
+    allowed), continuing with the eager run's numbers."""
+    losses, params, histories = eager_run("dense", "sgd", FORWARD, BACKWARD, 4)
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    opt = optimizer("sgd", model)
+    step = CapturedStep(model, loss_fn, opt, *data("dense", 4))
+    pairs = batches("dense", 4)
+    for x, y in pairs[:2]:
+        step.step(x, y)
+    step.close()
+    for k, (x, y) in enumerate(pairs[2:], start=2):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        assert loss.item() == losses[k]
+        assert model.stats["forward"]["residuals"] == histories[k]["forward"]
+        assert isinstance(model.stats["forward"]["residuals"], list)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    model.set_solvers(forward=mgrit.Config(levels=2, tol=1e-8, max_iter=4))
+    loss_fn(model(pairs[0][0]), pairs[0][1]).backward()

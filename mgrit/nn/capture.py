@@ -52,7 +52,9 @@ class CapturedStep:
     reading a tensor on the host). Elsewhere (a CPU, several ranks, data-parallel replicas)
     the same static-buffer step runs eagerly. `set_solvers` between steps (as
     `mgrit.nn.Controller` does) is seen at the next step, which starts the stages again
-    with the new solvers; the controller's probes run eagerly, outside any graph.
+    with the new solvers; the controller's probes run eagerly, outside any graph. While a
+    CapturedStep holds the model its passes with gradients are captured solves; `close()`
+    gives it back to eager training.
     """
 
     def __init__(self, model: LayerParallel, loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -226,6 +228,13 @@ class CapturedStep:
         self._graph = graph
         self.captures += 1
         graph.replay()
+
+    def close(self) -> None:
+        """Give the model back to eager training: its passes with gradients are ordinary
+        solves again (a tolerance allowed, float residual lists in `model.stats`), the
+        graph is dropped; the solvers are built again, warm from where these left off."""
+        self.model._passes.set_captured(False)
+        self._graph, self._key = None, None
 
     # residual histories -----------------------------------------------------------------
     def history(self) -> dict[str, Tensor]:
