@@ -124,7 +124,7 @@ class CapturedStep:
                     f"the {kind} solve has cuda_graphs=True, which captures relaxation "
                     "sweeps in graphs of their own; a captured step holds the whole step in "
                     "one graph, and graphs do not nest: use cuda_graphs=False")
-        if model.layers.keyed_random or model.layers.torch_random:
+        if _draws(model):
             raise CaptureError(
                 "the step module draws random numbers (dropout): its keys are made on the "
                 "host for every step, which a replayed graph would repeat; train it without "
@@ -254,6 +254,13 @@ class CapturedStep:
         for kind, norms in self._history.items():
             cfg = getattr(self.model, f"{kind}_config")
             check_norms(norms, cfg.divergence_factor, kind)
+
+
+def _draws(model: LayerParallel) -> bool:
+    """Whether the step module draws random numbers in training: a keyed dropout of p > 0,
+    or torch's generator (found at the first training pass)."""
+    layers = model.layers
+    return layers.keyed_random or layers.torch_random
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -126,7 +126,9 @@ class LayerStack(nn.Module):
         # and whether it also draws from torch's generator (found by a probe under
         # vmap's randomness check; then batches run layer by layer, each layer seeded with
         # its key); `draw_seed` and `draw_step` give the keys (`mgrit.nn.draws`)
-        self.keyed_random = any(isinstance(m, draws.Dropout) for m in template.modules())
+        # (a dropout of p = 0, as in a transformer block built without dropout, draws nothing)
+        self.keyed_random = any(isinstance(m, draws.Dropout) and m.p > 0
+                                for m in template.modules())
         self.torch_random = False
         self.draw_seed = 0
         self.draw_step = 0
