@@ -18,7 +18,7 @@ from torch import Tensor
 from benchmarks.training import build, gradient_pairs, sequential_variant
 from benchmarks.workloads import TRAINING_WORKLOADS, TrainingWorkload
 
-EXECUTORS = {"batched": {"execution": "batched"}, "streams": {"execution": "streams"},
+EXECUTORS = {"batched": {"execution": "batched"},
              "cuda graphs": {"execution": "batched", "cuda_graphs": True}}
 # relative to the reference's largest entry: a float32 training step goes through 1024
 # layers and three MGRIT cycles in another order of operations than the loop's
