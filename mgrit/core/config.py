@@ -70,6 +70,10 @@ class Config:
                     and replay it after, where the states are CUDA tensors and the
                     propagator allows it (`graph_key`); with the "loop" or "batched"
                     executor. No effect on a CPU.
+    agglomerate:    solve the coarse levels with at most this many steps per rank on every
+                    rank, after one reduction that brings them their right-hand side, in
+                    place of passing them from rank to rank (`mgrit.core.agglomerate`);
+                    0 (the default): never. Same results to the bit; on one rank no effect
     """
 
     levels: int = 2
@@ -86,6 +90,7 @@ class Config:
     divergence_factor: float = 1e4
     execution: str = "auto"
     cuda_graphs: bool = False
+    agglomerate: int = 0
 
     def __post_init__(self) -> None:
         _check_int("levels", self.levels, 1)
@@ -119,6 +124,11 @@ class Config:
         _check_choice("execution", self.execution, EXECUTIONS)
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        _check_int("agglomerate", self.agglomerate, 0)
+        if self.cuda_graphs and self.agglomerate:
+            raise ValueError("cuda_graphs=True and agglomerate > 0 cannot be combined: the "
+                             "gathered levels' sweeps would share the graphs of the levels "
+                             "they copy; set agglomerate=0 or cuda_graphs=False")
         guess = self.initial_guess
         if not isinstance(guess, torch.Tensor) and guess not in GUESS_KINDS:
             raise ValueError(f"initial_guess={guess!r} is not valid; choose one of "
@@ -145,6 +155,11 @@ class Config:
     def describe(self) -> dict[str, Any]:
         """The options as plain values (a guess tensor is named by shape and dtype)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        _check_int("agglomerate", self.agglomerate, 0)
+        if self.cuda_graphs and self.agglomerate:
+            raise ValueError("cuda_graphs=True and agglomerate > 0 cannot be combined: the "
+                             "gathered levels' sweeps would share the graphs of the levels "
+                             "they copy; set agglomerate=0 or cuda_graphs=False")
         guess = self.initial_guess
         if isinstance(guess, torch.Tensor):
             out["initial_guess"] = f"tensor{tuple(guess.shape)}:{guess.dtype}"

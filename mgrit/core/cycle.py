@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..comm import Comm, as_comm
 from ..execute import make_executor
+from .agglomerate import Gathered, first_gathered
 from .checks import (check_guess, check_number, check_step, check_u0,
                      warn_below_round_off)
 from .config import Config
@@ -90,6 +91,12 @@ class Solver:
         if t1 == t0:
             raise ValueError(f"t1 must differ from t0, both are {t0}")
         caps = Capabilities.of(prop)
+        if config.agglomerate and caps.local_steps:
+            raise ValueError(
+                f"Config(agglomerate={config.agglomerate}) solves coarse levels on every "
+                f"rank, but the steps of {type(prop).__name__} read data only their own rank "
+                "holds (its local_steps is True; a layer-parallel network's layers and forward "
+                "states): use agglomerate=0 with it")
         if final_sweep is not None and not callable(final_sweep):
             raise TypeError(f"final_sweep must be callable, got {type(final_sweep).__name__}")
         if not isinstance(like, Tensor):
@@ -127,6 +134,12 @@ class Solver:
         self._residuals = Residuals(self.levels[0], self.executor, self.comm, final_owner,
                                     num_steps)
         self._ops = Operations(self.levels, self.executor, self._residuals, final_sweep)
+        # the coarse levels every rank solves after one gather (`Config.agglomerate`)
+        first = first_gathered([level.grid for level in self.levels], self.comm.size,
+                               config.agglomerate)
+        self._gathered = (None if first is None else
+                          Gathered(self.levels, first, like, self.executor, self._residuals,
+                                   self.comm))
         # cycles recorded and replayed (`mgrit.core.schedule`) where every phase may be one
         # compiled call
         self._replays = Replays(self.levels,
@@ -185,8 +198,9 @@ class Solver:
 
     def _cycle(self, ops: Operations, l: int, kind: str, first_f: bool) -> None:
         """A V- or F-cycle from level l (docs/solver.md), its operations between levels
-        made through `ops`."""
-        level = self.levels[l]
+        made through `ops` on its levels (`ops.levels`: the solver's, or the gathered
+        copies of `mgrit.core.agglomerate`)."""
+        level = ops.levels[l]
         if level.grid.is_coarsest:
             if l == 0:
                 ops.final_sweep(True)
@@ -198,7 +212,11 @@ class Solver:
             c_relax(level, self.executor, self.config.c_weight)
             f_relax(level, self.executor)
         ops.restrict(l)
-        self._cycle(ops, l + 1, kind, True)
+        gathered = self._gathered
+        if gathered is not None and l + 1 == gathered.first:
+            ops.run(gathered.solve, self._cycle, kind)
+        else:
+            self._cycle(ops, l + 1, kind, True)
         ops.update_c_points(l, correct=True)
         if l == 0:
             ops.final_sweep(True)

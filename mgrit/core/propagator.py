@@ -168,6 +168,10 @@ class Capabilities:
     graph_key: Callable[[], Hashable | None] | None = None
     step_program: Callable[..., Callable[[], None] | None] | None = None
     program_key: Callable[[int, int], Hashable | None] | None = None
+    # the propagator's steps read data that only the rank the grid gives them holds (a
+    # network's layers and forward states): `local_steps = True` on the propagator. Such
+    # steps cannot run on every rank, so such a propagator refuses `Config.agglomerate`
+    local_steps: bool = False
 
     @classmethod
     def of(cls, prop: object) -> "Capabilities":
@@ -190,7 +194,8 @@ class Capabilities:
         if key not in _CHECKED:
             _check(prop, found)
             _CHECKED.add(key)
-        return cls(step=prop.step, **{k: fn for k, fn in found.items() if fn is not None})
+        return cls(step=prop.step, local_steps=getattr(prop, "local_steps", False) is True,
+                   **{k: fn for k, fn in found.items() if fn is not None})
 
 
 # (propagator class, its instance's attribute names) whose capabilities passed `_check`

@@ -31,6 +31,8 @@ class AdjointPropagator:
     batch by batch.
     """
 
+    local_steps = True      # a step needs the forward state that this rank's solve left
+
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
                  offset: int, outputs: dict[int, Kept] | None = None) -> None:
         self.stack = stack

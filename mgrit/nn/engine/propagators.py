@@ -71,6 +71,8 @@ class NetworkPropagator:
     linearises. `outputs` maps a layer to (outputs of its batch, its index there).
     """
 
+    local_steps = True      # a coarse step needs its layer, held here or as a ghost
+
     def __init__(self, stack: LayerStack, like: Tensor, keep_outputs: bool = False) -> None:
         self.stack = stack
         self._selection = StepSelection(stack, like)

@@ -1,0 +1,223 @@
+"""Coarse levels solved on every rank after one reduction (`Config.agglomerate`): the same
+residual histories and states as the solve that passes them from rank to rank and as the
+reference implementation, fewer hops on the critical path, and clear refusals."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mgrit
+from mgrit.app.replay import Interconnect, replay
+from mgrit.comm.tracing import Tracer, TracingComm
+from mgrit.comm.virtual import run_ranks
+from mgrit.core.agglomerate import first_gathered
+from mgrit.core.grid import build_hierarchy, split_steps
+from mgrit.problems import Dahlquist
+
+from cases import dahlquist_problem, resnet_problem
+from reference_mgrit import reference_mgrit
+
+
+def _run(prop, u0, n, t1, cfg, ranks, blocks=None):
+    """Every rank's (residuals, first index, states, final, first gathered level)."""
+    def program(comm):
+        solver = mgrit.Solver(prop, u0, n, 0.0, t1, cfg, comm, blocks=blocks)
+        result = solver.solve(u0)
+        gathered = solver._gathered
+        return (result.residuals, result.first_index, result.states.clone(), result.final,
+                None if gathered is None else gathered.first)
+    return [program(None)] if ranks == 1 else run_ranks(ranks, program)
+
+
+def _assert_close(a, b):
+    assert a.shape == b.shape
+    scale = max(float(b.abs().max()), 1e-300)
+    assert float((a - b).abs().max()) <= 1e-12 * scale
+
+
+def _uneven(n, ranks):
+    """Blocks far from an even split: rank r's share grows with r."""
+    weights = [r + 1 for r in range(ranks)]
+    cuts = [0] + [round((n + 1) * sum(weights[:r + 1]) / sum(weights)) for r in range(ranks)]
+    return [(cuts[r], cuts[r + 1] - 1) for r in range(ranks)]
+
+
+SETTINGS = [  # levels, coarsening, relax, cycle, guess, tol, agglomerate
+    (4, 2, "FCF", "V", "zero", 0.0, 4),
+    (4, 2, "F", "F", "nested", 0.0, 8),
+    (3, [4, 2], ["F", "FCF"], "V", "zero", 1e-300, 8),
+    (5, 2, "FCF", "F", "zero", 0.0, 100),
+]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("problem", ["dahlquist", "complex", "resnet"])
+def test_gathered_solve_equals_the_solve_passed_from_rank_to_rank(ranks, uneven, problem):
+    """Residual histories and every rank's states to 1e-12 relative, on even and uneven
+    splits, and the levels gathered are those with at most `agglomerate` steps per rank."""
+    prop, u0 = {"dahlquist": dahlquist_problem(-1.0),
+                "complex": dahlquist_problem(-0.2 + 1.5j, torch.complex128),
+                "resnet": resnet_problem(num_steps=64)}[problem]
+    n = 61
+    blocks = _uneven(n, ranks) if uneven else None
+    for levels, m, relax, cycle, guess, tol, agg in SETTINGS:
+        kw = dict(levels=levels, coarsening=m, relax=relax, cycle=cycle, initial_guess=guess,
+                  tol=tol, max_iter=4, min_coarse=1)
+        plain = _run(prop, u0, n, 2.0, mgrit.Config(**kw), ranks, blocks)
+        mine = _run(prop, u0, n, 2.0, mgrit.Config(agglomerate=agg, **kw), ranks, blocks)
+        sizes = [n]
+        for f in (m if isinstance(m, list) else [m] * (levels - 1)):
+            sizes.append(sizes[-1] // f)
+        expect = [lvl for lvl in range(1, levels) if sizes[lvl] <= agg * ranks]
+        for (res_a, first_a, states_a, final_a, gathered), (res_b, first_b, states_b, final_b,
+                                                           none) in zip(mine, plain):
+            assert none is None
+            assert gathered == (expect[0] if expect and ranks > 1 else None)
+            assert len(res_a) == len(res_b)
+            np.testing.assert_allclose(res_a, res_b, rtol=1e-12, atol=0)
+            assert first_a == first_b
+            _assert_close(states_a, states_b)
+            _assert_close(final_a, final_b)
+
+
+def _numpy_step(prop, strides):
+    def step(u, level, index, t, dt):
+        s = mgrit.Step(level, index, index * strides[level], t, dt)
+        return prop.step(torch.from_numpy(np.array(u)), s).numpy()
+    return step
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("cycle", ["V", "F"])
+def test_gathered_solve_equals_the_reference(ranks, cycle):
+    """Every gathered level (agglomerate large): histories and the states of all ranks
+    together against the list-based reference implementation."""
+    prop, u0 = resnet_problem(num_steps=64)
+    n, levels, m = 64, 4, 2
+    cfg = mgrit.Config(levels=levels, coarsening=m, relax="FCF", cycle=cycle, tol=0.0,
+                       max_iter=4, min_coarse=1, agglomerate=1000)
+    out = _run(prop, u0, n, 1.0, cfg, ranks)
+    assert all(o[4] == 1 for o in out)
+    ref_res, ref_states = reference_mgrit(
+        _numpy_step(prop, [1, 2, 4, 8]), u0.numpy(), n, 0.0, 1.0, levels=levels,
+        coarsening=[m] * 3, cf_sweeps=[1, 1, 1, 0], cycle=cycle, max_iter=4, tol=0.0)
+    for residuals, first, states, final, _ in out:
+        np.testing.assert_allclose(residuals, ref_res, rtol=1e-10, atol=0)
+        _assert_close(states, torch.from_numpy(ref_states[first: first + len(states)]))
+
+
+def _hop_depth(ranks, n, agg):
+    """Traces of one V-cycle (4 levels, m = 4, F/FCF/FCF) on `ranks` virtual ranks, every
+    compute span cut to zero and replayed with hops of 1 s: the most message hops any
+    chain of the solve passes through. Also each rank's sends by tag and collectives."""
+    prop, u0 = Dahlquist(-1.0), torch.tensor([1.0], dtype=torch.float64)
+    cfg = mgrit.Config(levels=4, coarsening=4, relax=("F", "FCF", "FCF"), max_iter=1, tol=0.0,
+                       min_coarse=1, agglomerate=agg)
+
+    def program(comm):
+        tracer = Tracer(time.thread_time)
+        solver = mgrit.Solver(prop, u0, n, 0.0, 1.0, cfg, TracingComm(comm, tracer))
+        tracer.start()
+        solver.solve(u0)
+        return [["compute", 0.0] if e[0] == "compute" else e for e in tracer.stop()]
+    traces = run_ranks(ranks, program)
+    depth = replay(traces, Interconnect(1.0, 1e30, 0.0)).total
+    tags = {int(e[3].split(":")[1]) for t in traces for e in t if e[0] == "send"}
+    collectives = [sum(e[0] == "collective" for e in t) for t in traces]
+    return depth, tags, collectives
+
+
+@pytest.mark.parametrize("ranks,agg,first", [(16, 1, 3), (64, 1, 2), (64, 4, 1)])
+def test_gathering_takes_hops_off_the_path(ranks, agg, first):
+    """N = 1024: the gathered levels send no message but the injected value's ghost of the
+    first gathered level (tag 2 a + 1), each rank makes one reduction more, and the longest
+    chain of hops is shorter by at least the coarsest level's march (one hop per rank that
+    owns coarsest points, 16 of them) less the reduction's ceil(log2 P) hops and the
+    first gathered level's relaxation hops the march overlapped."""
+    grids = build_hierarchy(1024, [4, 4, 4], 4, 1)
+    assert first_gathered(grids, ranks, agg) == first
+    plain_depth, plain_tags, plain_coll = _hop_depth(ranks, 1024, 0)
+    depth, tags, coll = _hop_depth(ranks, 1024, agg)
+    assert {2 * 3} <= plain_tags                    # the coarsest level's march is messages
+    assert not any(t // 2 > first for t in tags)
+    assert not any(t // 2 == first and t % 2 == 0 for t in tags)
+    assert coll == [c + 1 for c in plain_coll]
+    log_p = int(np.ceil(np.log2(ranks)))
+    assert depth < plain_depth
+    assert depth >= log_p
+    # the plain path holds the coarsest level's march: 15 hops at least
+    assert plain_depth >= 15
+
+
+def test_one_rank_and_zero_gather_nothing():
+    grids = build_hierarchy(1024, [4, 4, 4], 4, 1)
+    assert first_gathered(grids, 1, 100) is None
+    assert first_gathered(grids, 64, 0) is None
+    assert split_steps(10, 2)   # the partition the solver uses is untouched
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), (True, TypeError), (1.5, TypeError),
+                                         ("2", TypeError)])
+def test_bad_agglomerate_is_refused(value, error):
+    with pytest.raises(error, match="agglomerate"):
+        mgrit.Config(agglomerate=value)
+
+
+def test_agglomerate_with_cuda_graphs_is_refused():
+    with pytest.raises(ValueError, match="agglomerate"):
+        mgrit.Config(agglomerate=2, cuda_graphs=True)
+
+
+def test_propagator_with_local_steps_refuses_before_any_message():
+    """A propagator whose steps read rank-local data (`local_steps`) cannot be gathered:
+    refused at construction, before the settings are agreed between ranks."""
+    class Local(Dahlquist):
+        local_steps = True
+
+    class Comm:
+        rank, size = 0, 2
+
+        def __getattr__(self, name):
+            raise AssertionError(f"communicated: {name}")
+
+        def allreduce_sum(self, value):
+            raise AssertionError("communicated")
+
+        def irecv(self, *args):
+            raise AssertionError("communicated")
+
+    u0 = torch.tensor([1.0])
+    with pytest.raises(ValueError, match="local_steps"):
+        mgrit.Solver(Local(-1.0), u0, 16, 0.0, 1.0, mgrit.Config(agglomerate=1), Comm())
+    mgrit.Solver(Local(-1.0), u0, 16, 0.0, 1.0, mgrit.Config())    # no gathering: accepted
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_layer_parallel_refuses_agglomerate(direction):
+    """The network propagators hold only their rank's layers and forward states: a
+    layer-parallel network given agglomerate in either solve refuses at its first pass."""
+    from nets import build, data
+
+    cfg = {d: mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1,
+                           agglomerate=4 if d == direction else 0)
+           for d in ("forward", "backward")}
+    model, _ = build("dense", 16, **cfg)
+    x, _ = data("dense", 4)
+    with pytest.raises(ValueError, match="local_steps"):
+        model(x).sum().backward()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_gathered_solve_over_mpi(mpi, nprocs):
+    """Dahlquist (real, complex), heat, dense ResNet; N = 61, 64; V/F, F/FCF, zero/nested:
+    with agglomerate equal to the plain MPI solve and to the serial one to 1e-12."""
+    run = mpi("agglomerate.py", nprocs, timeout=240)
+    assert run.returncode == 0, run.stderr
+    for rank, report in run.by_rank().items():
+        assert report["cases"] == 32
+        assert report["gathered"] > 0
+        assert report["failures"] == [], f"rank {rank}: {report['failures']}"
