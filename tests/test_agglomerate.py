@@ -54,13 +54,14 @@ SETTINGS = [  # levels, coarsening, relax, cycle, guess, tol, agglomerate
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("uneven", [False, True])
-@pytest.mark.parametrize("problem", ["dahlquist", "complex", "resnet"])
+@pytest.mark.parametrize("problem", ["dahlquist", "complex", "resnet", "resnet32"])
 def test_gathered_solve_equals_the_solve_passed_from_rank_to_rank(ranks, uneven, problem):
     """Residual histories and every rank's states to 1e-12 relative, on even and uneven
     splits, and the levels gathered are those with at most `agglomerate` steps per rank."""
     prop, u0 = {"dahlquist": dahlquist_problem(-1.0),
                 "complex": dahlquist_problem(-0.2 + 1.5j, torch.complex128),
-                "resnet": resnet_problem(num_steps=64)}[problem]
+                "resnet": resnet_problem(num_steps=64),
+                "resnet32": resnet_problem(num_steps=64, dtype=torch.float32)}[problem]
     n = 61
     blocks = _uneven(n, ranks) if uneven else None
     for levels, m, relax, cycle, guess, tol, agg in SETTINGS:
@@ -127,20 +128,26 @@ def _hop_depth(ranks, n, agg):
     depth = replay(traces, Interconnect(1.0, 1e30, 0.0)).total
     tags = {int(e[3].split(":")[1]) for t in traces for e in t if e[0] == "send"}
     collectives = [sum(e[0] == "collective" for e in t) for t in traces]
-    return depth, tags, collectives
+    sizes = {e[4] for e in traces[0] if e[0] == "collective"}
+    return depth, tags, collectives, sizes
 
 
 @pytest.mark.parametrize("ranks,agg,first", [(16, 1, 3), (64, 1, 2), (64, 4, 1)])
 def test_gathering_takes_hops_off_the_path(ranks, agg, first):
     """N = 1024: the gathered levels send no message but the injected value's ghost of the
-    first gathered level (tag 2 a + 1), each rank makes one reduction more, and the longest
+    first gathered level (tag 2 a + 1), each rank makes one reduction more, of the size
+    the first gathered level's cycle reads, and the longest
     chain of hops is shorter by at least the coarsest level's march (one hop per rank that
     owns coarsest points, 16 of them) less the reduction's ceil(log2 P) hops and the
     first gathered level's relaxation hops the march overlapped."""
     grids = build_hierarchy(1024, [4, 4, 4], 4, 1)
     assert first_gathered(grids, ranks, agg) == first
-    plain_depth, plain_tags, plain_coll = _hop_depth(ranks, 1024, 0)
-    depth, tags, coll = _hop_depth(ranks, 1024, agg)
+    plain_depth, plain_tags, plain_coll, plain_sizes = _hop_depth(ranks, 1024, 0)
+    depth, tags, coll, sizes = _hop_depth(ranks, 1024, agg)
+    # the reduction carries g at points 1..N_a, v_0 and v at the C-points after 0 (float64
+    # scalars): N_a + 1 + N_a / m states, the coarsest level N_a + 1
+    n_a = grids[first].num_steps
+    assert sizes - plain_sizes == {8 * (n_a + 1 + (n_a // 4 if first < 3 else 0))}
     assert {2 * 3} <= plain_tags                    # the coarsest level's march is messages
     assert not any(t // 2 > first for t in tags)
     assert not any(t // 2 == first and t % 2 == 0 for t in tags)

@@ -4,7 +4,8 @@ Without it the coarsest level is one march passed from rank to rank (a hop per r
 owns a point of it), and a coarse level with a few points per rank passes its relaxation's
 intervals across ranks too: on many ranks the critical path is mostly those hops. Here
 the coarse levels from level `a` down are gathered instead: the right-hand side g and the
-injected values v of level a (the values its cycle starts from) go to every rank in one
+injected values v of level a (the values its cycle starts from, at its C-points) go to
+every rank in one
 sum-reduction (ceil(log2 P) hops), and every rank runs the cycle of levels a.. by itself,
 on copies of those levels that hold all their points. The rank then takes its own points
 of level a back and the cycle goes on as before.
@@ -14,8 +15,9 @@ result) costs a collective less on the path: a scatter would be another ceil(log
 and the sequential work of the gathered levels is on the path either way.
 
 The reduction adds -0.0 from every rank that does not own a point (x + (-0.0) is x for
-every x, signed zeros and NaN included) in float64, which holds every float32 and float16
-value exactly: every rank gets the owners' bits, and runs the same steps on the same values
+every x, signed zeros and NaN included), in the states' own precision (float16 and
+bfloat16 in float64, which holds each of their values exactly): every rank gets the
+owners' bits, and runs the same steps on the same values
 as the ranks that own them would, so the result is the same to the bit.
 """
 
@@ -52,9 +54,20 @@ def _real(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+# dtypes a sum-reduction carries as they are; others (float16, bfloat16, which MPI may not
+# sum) go as float64, which holds each of their values exactly
+_CARRIED = (torch.float32, torch.float64)
+
+
 class Gathered:
     """Levels a.. of one solver, gathered on every rank: their whole-grid copies, the
-    operations between them, and the reduction buffer that brings level a's g and v."""
+    operations between them, and the reduction buffer that brings level a's values.
+
+    What the cycle of level a reads before it writes: g at the points 1..N_a, and u (which
+    starts as v) at its C-points only, since its first F-relaxation (or, on the coarsest
+    level, its march) sets every F-point from them before any is read. The buffer holds
+    g_1..g_N in rows 1..N, v_0 in row 0, and v at the C-points m, 2m, ... in the rows after
+    N, so it carries N + 1 + N/m states rather than 2 (N + 1)."""
 
     def __init__(self, levels: list[Level], first: int, like: Tensor, executor: Executor,
                  residuals: Residuals, comm: Comm) -> None:
@@ -71,38 +84,48 @@ class Gathered:
         self.ops = Operations(whole, executor, residuals, None)  # type: ignore[arg-type]
         top, own = whole[first], levels[first]
         assert top is not None
-        points = top.grid.num_steps + 1
+        self.top, self.own = top, own
+        n = top.grid.num_steps
+        m = top.grid.coarsening or (n + 1)      # the coarsest level: no C-point but 0
         real = _real(like)
-        # rows 0..N_a: v at every point; rows N_a+1..: g at every point
-        self.buffer = torch.full((2 * points, *real.shape), -0.0, dtype=torch.float64,
+        dtype = real.dtype if real.dtype in _CARRIED else torch.float64
+        self.buffer = torch.full((n + 1 + n // m, *real.shape), -0.0, dtype=dtype,
                                  device=like.device)
-        self.top = top
-        self.own = own
-        self.points = points
+        # (the rank's rows, their slot in the buffer) to pack and (buffer rows, the copy's
+        # rows) to unpack
+        self.pack: list[tuple[Tensor, Tensor]] = []
+        self.unpack = [(self.buffer[1:n + 1], _real(top.g[top.row(1):])),
+                       (self.buffer[0], _real(top.u[top.row(0)]))]
+        if n // m:
+            self.unpack.append((self.buffer[n + 1:], _real(top.u[top.rows(m, m, n // m)])))
         if not own.empty:
             a, b = own.first, own.last
-            self.own_v, self.own_g = _real(own.v[1:]), _real(own.g[1:])
-            self.slot_v = self.buffer[a: b + 1]
-            self.slot_g = self.buffer[points + a: points + b + 1]
-            # the rank's rows of level a, ghost included, and the same points of the copy
-            self.own_u = own.u
-            self.whole_u = top.u[top.row(a - 1) if a > 0 else top.row(a): top.row(b) + 1]
+            if b >= max(a, 1):
+                lo = max(a, 1)
+                self.pack.append((_real(own.g[own.row(lo): own.row(b) + 1]),
+                                  self.buffer[lo: b + 1]))
             if a == 0:
-                self.own_u = own.u[1:]
-        self.top_u = _real(top.u[1:])
-        self.top_g = _real(top.g[1:])
+                self.pack.append((_real(own.v[own.row(0)]), self.buffer[0]))
+            first_c = max(-(-a // m) * m, m)
+            if first_c <= b:
+                count = (b - first_c) // m + 1
+                slot = n + first_c // m
+                self.pack.append((_real(own.v[own.rows(first_c, m, count)]),
+                                  self.buffer[slot: slot + count]))
+            # the rank's rows of level a, ghost included, and the same points of the copy
+            self.own_u = own.u if a > 0 else own.u[1:]
+            self.whole_u = top.u[top.row(max(a - 1, 0)): top.row(b) + 1]
 
     def solve(self, cycle: Callable[[Operations, int, str, bool], None], kind: str) -> None:
         """Bring level a's g and v to every rank, run `cycle` from level a on the copies,
         and take the rank's own points of level a back."""
         buffer = self.buffer
         buffer.fill_(-0.0)
-        if not self.own.empty:
-            self.slot_v.copy_(self.own_v)
-            self.slot_g.copy_(self.own_g)
+        for rows, slot in self.pack:
+            slot.copy_(rows)
         self.comm.allreduce_sum_(buffer)
-        self.top_u.copy_(buffer[:self.points])
-        self.top_g.copy_(buffer[self.points:])
+        for rows, dest in self.unpack:
+            dest.copy_(rows)
         cycle(self.ops, self.first, kind, True)
         if not self.own.empty:
             self.own_u.copy_(self.whole_u)
