@@ -228,3 +228,25 @@ def test_gathered_solve_over_mpi(mpi, nprocs):
         assert report["cases"] == 32
         assert report["gathered"] > 0
         assert report["failures"] == [], f"rank {rank}: {report['failures']}"
+
+
+def test_gathered_tool_floor_falls_and_bad_arguments_are_refused():
+    """`benchmarks.scaling.gathered`: on 16 virtual ranks (N = 1024, the coarsest level
+    gathered with agglomerate 1) the communication floor on the cluster network (compute
+    cut to zero) falls, and lies below the predicted solve; bad --ranks and --agglomerate
+    stop with a message. (Counted in hops alone, with no per-message overhead, the same
+    two cycles lengthen, 19 to 28: the reduction waits for every rank, where the
+    rank-to-rank solve starts the second cycle on the first ranks while the last finish
+    the first.)"""
+    from benchmarks.scaling import gathered
+    from benchmarks.scaling.hops import OVERHEAD
+    from benchmarks.scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
+
+    cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, OVERHEAD)
+    plain = gathered.point(16, 0, cluster)
+    mine = gathered.point(16, 1, cluster)
+    assert mine["floor"] < plain["floor"]
+    assert mine["floor"] <= mine["predicted"] and plain["floor"] <= plain["predicted"]
+    for argv in (["--ranks", "a"], ["--agglomerate", "-1"], ["--ranks", "0"]):
+        with pytest.raises(SystemExit, match="ranks|agglomerate"):
+            gathered.main(argv)
