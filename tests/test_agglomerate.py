@@ -52,9 +52,10 @@ SETTINGS = [  # levels, coarsening, relax, cycle, guess, tol, agglomerate
 ]
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-@pytest.mark.parametrize("uneven", [False, True])
-@pytest.mark.parametrize("problem", ["dahlquist", "complex", "resnet", "resnet32"])
+@pytest.mark.parametrize("ranks,uneven,problem", [
+    *[(r, False, p) for r in (1, 2, 3, 4) for p in ("dahlquist", "complex", "resnet",
+                                                    "resnet32")],
+    *[(r, True, p) for r in (2, 3, 4) for p in ("dahlquist", "resnet32")]])
 def test_gathered_solve_equals_the_solve_passed_from_rank_to_rank(ranks, uneven, problem):
     """Residual histories and every rank's states to 1e-12 relative, on even and uneven
     splits, and the levels gathered are those with at most `agglomerate` steps per rank."""

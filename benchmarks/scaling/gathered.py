@@ -101,14 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     network = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, OVERHEAD)
     seq = sequential()
-    print(f"own sequential stepping (levels=1), 1 rank: {seq * 1e3:.3f} ms")
-    print("| ranks | agglomerate | predicted ms | hops on path | communication floor ms | "
-          "sequential / predicted |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
+    # this propagator marches step by step in Python: its own sequential stepping is far
+    # from the strongest sequential code of W2 (the native kernels' levels=1 march)
+    print(f"this propagator's sequential stepping (levels=1), 1 rank: {seq * 1e3:.3f} ms")
+    print("| ranks | agglomerate | predicted ms | hops on path | communication floor ms |\n"
+          "| ---: | ---: | ---: | ---: | ---: |")
     for p in ranks:
         for agg in (aggs if p > 1 else [0]):
             r = point(p, agg, network)
             print(f"| {p} | {agg} | {r['predicted'] * 1e3:.3f} | {r['hops']} | "
-                  f"{r['floor'] * 1e3:.3f} | {seq / r['predicted']:.2f} |", flush=True)
+                  f"{r['floor'] * 1e3:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
