@@ -251,3 +251,60 @@ def test_gathered_tool_floor_falls_and_bad_arguments_are_refused():
     for argv in (["--ranks", "a"], ["--agglomerate", "-1"], ["--ranks", "0"]):
         with pytest.raises(SystemExit, match="ranks|agglomerate"):
             gathered.main(argv)
+
+
+class _CompiledLinear:
+    """u' = lam u by forward Euler with every phase one compiled call (a loop over its steps
+    written as `g + Phi(u)` rounds), batched where it is not: the solver (its batched
+    executor) records a cycle and replays it."""
+
+    def __init__(self, lam: float) -> None:
+        self.lam = lam
+
+    def step(self, u, s):
+        return u * (1.0 + s.dt * self.lam)
+
+    def step_batch(self, states, steps):
+        return states * (1.0 + steps.dt * self.lam)
+
+    def program_key(self, level, parallel):
+        return "linear"
+
+    def step_program(self, steps, rows, parallel):
+        def run():
+            for s, (u, out, g) in zip(steps, rows):
+                phi = self.step(u, s)
+                if g is None:
+                    out.copy_(phi)
+                else:
+                    torch.add(g, phi, out=out)
+        return run
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gathered_levels_in_a_replayed_cycle(ranks, monkeypatch):
+    """With a propagator that compiles every phase the solver records its first cycle and
+    replays it (the gathered solve is one call of the record): the same histories and
+    states as without records, and as the solve passed from rank to rank."""
+    prop, u0 = _CompiledLinear(-1.0), torch.tensor([1.0, -0.5], dtype=torch.float64)
+    kw = dict(levels=4, coarsening=2, relax="FCF", tol=0.0, max_iter=4, min_coarse=1)
+
+    def run(agg, replays):
+        monkeypatch.setattr(mgrit.Solver, "replays", replays)
+
+        def program(comm):
+            solver = mgrit.Solver(prop, u0, 48, 0.0, 3.0, mgrit.Config(agglomerate=agg, **kw),
+                                  comm)
+            result = solver.solve(u0)
+            return (result.residuals, result.states.clone(), solver._schedule is not None,
+                    solver._gathered is not None)
+        return run_ranks(ranks, program)
+
+    replayed, direct, plain = run(8, True), run(8, False), run(0, True)
+    for (res_a, states_a, rec, gath), (res_b, states_b, _, _), (res_c, states_c, _, _) in zip(
+            replayed, direct, plain):
+        assert rec and gath
+        assert res_a == res_b
+        assert torch.equal(states_a, states_b)
+        np.testing.assert_allclose(res_a, res_c, rtol=1e-12, atol=0)
+        _assert_close(states_a, states_c)
