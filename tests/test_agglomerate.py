@@ -232,15 +232,15 @@ def test_gathered_solve_over_mpi(mpi, nprocs):
 
 
 def test_gathered_tool_floor_falls_and_bad_arguments_are_refused():
-    """`benchmarks.scaling.gathered`: on 16 virtual ranks (N = 1024, the coarsest level
+    """`benchmarks.studies.gathered`: on 16 virtual ranks (N = 1024, the coarsest level
     gathered with agglomerate 1) the communication floor on the cluster network (compute
     cut to zero) falls, and lies below the predicted solve; bad --ranks and --agglomerate
     stop with a message. (Counted in hops alone, with no per-message overhead, the same
     two cycles lengthen, 19 to 28: the reduction waits for every rank, where the
     rank-to-rank solve starts the second cycle on the first ranks while the last finish
     the first.)"""
-    from benchmarks.scaling import gathered
-    from benchmarks.scaling.hops import OVERHEAD
+    from benchmarks.studies import gathered
+    from benchmarks.studies.hops import OVERHEAD
     from benchmarks.scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 
     cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, OVERHEAD)

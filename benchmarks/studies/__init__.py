@@ -9,4 +9,6 @@ virtual ranks, cases and cluster network they reuse, is `benchmarks.scaling`.
     levels       the critical path's compute and hops by multigrid level and pass
     warm         virtual ranks run again alone, with warm caches
     pathwork     layer evaluations on the critical path against sequential stepping's
+    gathered     coarse levels gathered onto every rank (Config.agglomerate) against
+                 rank-to-rank ones: hops and predicted times of a plain propagator
 """

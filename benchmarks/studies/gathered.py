@@ -6,7 +6,7 @@ the hops on its critical path, and the communication floor (every compute span c
 zero: the messages alone). Layer-parallel training refuses the option (its steps need
 their own rank's layers and forward states), so the training step itself is not measured.
 
-    python -m benchmarks.scaling.gathered [--ranks 1,16,64] [--agglomerate 0,1,4]
+    python -m benchmarks.studies.gathered [--ranks 1,16,64] [--agglomerate 0,1,4]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mgrit.comm.virtual import run_ranks
 from mgrit.problems import DenseResNet
 
 from .hops import OVERHEAD
-from .study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
+from ..scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 
 
 def problem(num_steps: int = 1024) -> tuple[DenseResNet, torch.Tensor]:
