@@ -63,18 +63,7 @@ def test_a_parameter_used_twice_inside_one_layer_is_accepted():
         lin = nn.Linear(8, 8)
         return nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh())
 
-    torch.manual_seed(3)
-    model = mgrit.LayerParallel(factory, 5, forward=EXACT, backward=EXACT).double()
-    torch.manual_seed(3)
-    serial = mgrit.serial_resnet(factory, 5).double()
-    x = torch.randn(4, 8, dtype=torch.float64)
-    out, ref = model(x), serial(x)
-    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
-    out.sum().backward()
-    ref.sum().backward()
-    grad = model.layers.params["0__weight"].grad
-    for n in range(5):
-        assert torch.allclose(grad[n], serial[n + 1].f[0].weight.grad, rtol=1e-10, atol=1e-12)
+    _matches_serial(factory, 3, "0__weight", lambda layer: layer.f[0].weight)
 
 
 @pytest.mark.mpi
@@ -100,18 +89,7 @@ def test_a_frozen_parameter_shared_by_every_layer_is_accepted():
         def forward(self, u):
             return torch.tanh(self.lin(u)) * self.scale
 
-    torch.manual_seed(4)
-    model = mgrit.LayerParallel(Scaled, 5, forward=EXACT, backward=EXACT).double()
-    torch.manual_seed(4)
-    serial = mgrit.serial_resnet(Scaled, 5).double()
-    x = torch.randn(4, 8, dtype=torch.float64)
-    out, ref = model(x), serial(x)
-    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
-    out.sum().backward()
-    ref.sum().backward()
-    grad = model.layers.params["lin__weight"].grad
-    for n in range(5):
-        assert torch.allclose(grad[n], serial[n + 1].f.lin.weight.grad, rtol=1e-10, atol=1e-12)
+    _matches_serial(Scaled, 4, "lin__weight", lambda layer: layer.f.lin.weight)
 
 
 def test_tied_checkpoints_and_exports_hold_the_updated_weights(tmp_path):
@@ -143,3 +121,20 @@ def test_tied_checkpoints_and_exports_hold_the_updated_weights(tmp_path):
         ref = plain(x)
         assert torch.allclose(model(x), ref, rtol=1e-12, atol=1e-12)
         assert torch.equal(again(x), model(x))
+
+
+def _matches_serial(factory, seed, row, weight_of):
+    """A 5-layer model of `factory` with exact solves gives the serial network's output, and
+    its stacked gradient `row` equals each serial layer's (`weight_of(layer)`) gradient."""
+    torch.manual_seed(seed)
+    model = mgrit.LayerParallel(factory, 5, forward=EXACT, backward=EXACT).double()
+    torch.manual_seed(seed)
+    serial = mgrit.serial_resnet(factory, 5).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out, ref = model(x), serial(x)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    ref.sum().backward()
+    grad = model.layers.params[row].grad
+    for n in range(5):
+        assert torch.allclose(grad[n], weight_of(serial[n + 1]).grad, rtol=1e-10, atol=1e-12)
