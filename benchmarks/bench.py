@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """`mgrit bench`'s parser, its workloads listed one line each under --help."""
     parser = argparse.ArgumentParser(
-        prog="mgrit bench", description=__doc__.splitlines()[0],
+        prog="mgrit bench", description=__doc__.split("\n\n")[0].replace("\n", " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="workloads:\n" + "\n".join(f"  {name:<6}{WORKLOAD_HELP[name]}"
                                           for name in ALL_WORKLOADS))
