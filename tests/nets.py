@@ -165,3 +165,16 @@ def float32_errors(kind: str, num_steps: int, config, comm=None) -> dict:
         for label in ("serial", "lp"):
             results[f"{which}_{label}"] = float((inputs[label][index] - ref).norm() / ref.norm())
     return results
+
+
+def loss_fn(out, y):
+    """The classification loss of these networks' training steps."""
+    return nn.functional.cross_entropy(out, y)
+
+
+def optimizer(name: str, model):
+    """SGD with momentum ("sgd") or Adam (anything else): optimizers with and without state
+    that depends on the step count."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)

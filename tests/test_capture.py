@@ -14,22 +14,12 @@ from mgrit.nn.capture import _check_optimizer
 from mgrit.nn.capture_guard import HostSyncError, host_reads_forbidden
 
 from cases import resnet_problem
-from nets import build, data
+from nets import build, data, loss_fn, optimizer
 
 FORWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
 BACKWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
 WARM = mgrit.Config(levels=2, coarsening=4, tol=0.0, max_iter=2, tol_kind="relative",
                     initial_guess="warm", relax="F")
-
-
-def loss_fn(out, y):
-    return nn.functional.cross_entropy(out, y)
-
-
-def optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def batches(kind, count):

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 from mpi4py import MPI
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # nets.py
 import mgrit  # noqa: E402
 from mgrit.app.launch import report  # noqa: E402
-from nets import build, data  # noqa: E402
+from nets import build, data, loss_fn, optimizer  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -23,23 +22,13 @@ BACKWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=
 STEPS = 4
 
 
-def loss_fn(out, y):
-    return nn.functional.cross_entropy(out, y)
-
-
-def make_optimizer(name, model):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=0.01)
-
-
 results = {}
 for name in ("sgd", "adam"):
     runs = {}
     for captured in (False, True):
         # 7 layers: the ranks' shares differ in size on 2 and 3 ranks
         model, _ = build("dense", 7, FORWARD, BACKWARD, comm=world)
-        opt = make_optimizer(name, model)
+        opt = optimizer(name, model)
         step = (mgrit.nn.CapturedStep(model, loss_fn, opt, *data("dense", 4), check=False)
                 if captured else None)
         losses, histories, guarded = [], [], 0

@@ -12,22 +12,17 @@ from pathlib import Path
 
 import torch
 from mpi4py import MPI
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # nets.py
 import mgrit  # noqa: E402
 from mgrit.app.launch import report  # noqa: E402
-from nets import build, data, owned_pairs, relative  # noqa: E402
+from nets import build, data, loss_fn, owned_pairs, relative  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
 mode = sys.argv[1]
 EXACT = mgrit.Config(levels=1)
 results = {}
-
-
-def loss_fn(out, y):
-    return nn.functional.cross_entropy(out, y)
 
 
 def replicated_spread(model, comm) -> float:
