@@ -88,27 +88,32 @@ def cosine(pairs) -> float:
     return dot / (na * nb) ** 0.5
 
 
-def inexact_config(levels: int, cycles: int, warm: bool = False):
-    """Training's inexact solves at `levels` levels (coarsening 2, F then FCF)."""
+def inexact_config(levels: int, cycles: int, warm: bool | str = False):
+    """Training's inexact solves at `levels` levels (coarsening 2, F then FCF), from a
+    zero start, a warm one (`warm` True) or a nested one (`warm` "nested")."""
     relax = ("F",) + ("FCF",) * (levels - 2) if levels > 1 else "F"
+    guess = "nested" if warm == "nested" else "warm" if warm else "zero"
     return mgrit.Config(levels=levels, coarsening=2, relax=relax, tol=0.0, max_iter=cycles,
-                        min_coarse=1, initial_guess="warm" if warm else "zero")
+                        min_coarse=1, initial_guess=guess)
 
 
-# (kind, layers, levels, warm starts, training steps): uneven blocks on 2-4 ranks
+# (kind, layers, levels, start (False: zero, True: warm, "nested": nested with no cycle),
+# training steps): uneven blocks on 2-4 ranks
 INEXACT_CASES = [("dense", 13, 2, False, 1), ("dense", 13, 3, False, 1),
                  ("dense", 13, 4, False, 1), ("conv", 9, 2, False, 1),
-                 ("conv", 9, 3, False, 1), ("dense", 13, 3, True, 3)]
+                 ("conv", 9, 3, False, 1), ("dense", 13, 3, True, 3),
+                 ("dense", 13, 3, "nested", 2), ("conv", 9, 2, "nested", 1)]
 
 
 def inexact_training(kind: str, num_steps: int, levels: int, warm: bool, steps: int,
                      comm=None, data_comm=None) -> dict:
-    """Train with 2 forward / 1 backward cycles (SGD, `steps` steps on one batch of 8,
-    split between data-parallel replicas if any); return the last step's output and input
-    gradient (this replica's part) and, per owned layer, its parameter gradients and
-    parameters after training, as nested lists of floats."""
-    model, _ = build(kind, num_steps, inexact_config(levels, 2, warm),
-                     inexact_config(levels, 1, warm), comm=comm, data_comm=data_comm)
+    """Train with 2 forward / 1 backward cycles (no cycle from a nested start) (SGD,
+    `steps` steps on one batch of 8, split between data-parallel replicas if any); return
+    the last step's output and input gradient (this replica's part) and, per owned layer,
+    its parameter gradients and parameters after training, as nested lists of floats."""
+    cycles = (0, 0) if warm == "nested" else (2, 1)
+    model, _ = build(kind, num_steps, inexact_config(levels, cycles[0], warm),
+                     inexact_config(levels, cycles[1], warm), comm=comm, data_comm=data_comm)
     x, y = data(kind, 8)
     if data_comm is not None:
         part = 8 // data_comm.Get_size()

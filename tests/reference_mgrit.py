@@ -169,6 +169,10 @@ def reference_mgrit(step, u0, num_steps, t0, t1, *, levels, coarsening, cf_sweep
         residuals.append(r)
         if r <= tol:
             break
+    if max_iter == 0 and L > 1:
+        # no cycle (from a nested start): the guess F-relaxed once, and its residual
+        f_relax(0)
+        residuals.append(residual())
 
     states = np.array([np.asarray(x) for x in u[0]])
     return residuals, states

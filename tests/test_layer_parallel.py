@@ -336,13 +336,16 @@ def test_backward_reuses_the_forward_outputs_with_the_same_gradients(kind, monke
 
 
 @pytest.mark.parametrize("kind", ["dense", "conv", "gelu"])
-def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind):
-    """With an inexact backward solve (one cycle), every layer's parameter gradient is
-    h (df/dtheta)(u_n)^T w_{n+1} at the solves' final fine-level states (forward u_n,
-    adjoint w_{n+1}): checked against serial autograd through each layer alone, and the
-    solve is indeed inexact (the gradient is not serial autograd's)."""
-    config = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0, max_iter=1,
-                          min_coarse=1)
+@pytest.mark.parametrize("cycles", [1, 0])
+def test_parameter_gradients_are_the_layer_vjps_at_the_final_adjoint_states(kind, cycles):
+    """With an inexact backward solve (one cycle, or none from a nested start), every
+    layer's parameter gradient is h (df/dtheta)(u_n)^T w_{n+1} at the solves' final
+    fine-level states (forward u_n, adjoint w_{n+1}): checked against serial autograd
+    through each layer alone, and the solve is indeed inexact (the gradient is not serial
+    autograd's)."""
+    config = mgrit.Config(levels=3, coarsening=2, relax=("F", "FCF"), tol=0.0,
+                          max_iter=cycles, min_coarse=1,
+                          initial_guess="nested" if cycles == 0 else "zero")
     model, serial = build(kind, 16, config, config)
     x, y = data(kind, 4)
     nn.functional.cross_entropy(model(x), y).backward()

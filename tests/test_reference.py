@@ -85,6 +85,37 @@ def test_histories_equal_the_independent_reference(name, setting):
     assert np.abs(res.states.numpy() - ref_states).max() <= 1e-12 * np.abs(ref_states).max()
 
 
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.parametrize("levels,m", [(2, 8), (3, 3), (5, 2)])
+def test_no_cycle_from_a_nested_start_equals_the_independent_reference(name, levels, m):
+    """max_iter=0: the nested start F-relaxed once, one residual, as the reference does."""
+    prop, u0, n, t1 = PROBLEMS[name]()
+    cfg = mgrit.Config(levels=levels, coarsening=m, relax="F", initial_guess="nested",
+                       tol=0.0, max_iter=0, min_coarse=1)
+    res = mgrit.solve(prop, u0, n, 0.0, t1, cfg)
+    strides = [m ** l for l in range(levels)]
+    ref_res, ref_states = reference_mgrit(
+        _numpy_step(prop, strides), u0.numpy(), n, 0.0, t1, levels=levels,
+        coarsening=[m] * (levels - 1), cf_sweeps=[0] * levels, c_weight=1.0, cycle="V",
+        initial_guess="nested", max_iter=0, tol=0.0, min_coarse=1)
+    assert len(res.residuals) == len(ref_res) == 1
+    assert abs(res.residuals[0] - ref_res[0]) <= 1e-12 * abs(ref_res[0]) + 1e-15
+    assert np.abs(res.states.numpy() - ref_states).max() <= 1e-12 * np.abs(ref_states).max()
+    # the C-points hold the coarse solution: not yet the sequential one
+    exact = mgrit.solve(prop, u0, n, 0.0, t1, mgrit.Config(levels=1, max_iter=1, tol=0.0))
+    assert not torch.allclose(res.states, exact.states, rtol=1e-9, atol=0.0)
+
+
+def test_no_cycle_needs_a_nested_start():
+    for options in ({"initial_guess": "zero"}, {"levels": 1}, {"tol": 1e-6},
+                    {"initial_guess": "warm"}):
+        with pytest.raises(ValueError, match="max_iter=0"):
+            mgrit.Config(**{"levels": 2, "initial_guess": "nested", "tol": 0.0, **options,
+                            "max_iter": 0})
+    with pytest.raises(ValueError, match="max_iter must be >= 0"):
+        mgrit.Config(max_iter=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # PyMGRIT
 

@@ -60,7 +60,8 @@ class Config:
                     solve; zero on its first), or a tensor of shape (N+1, *u0.shape)
     tol, tol_kind:  stop when residual <= tol ("absolute") or <= tol times
                     the initial residual ("relative")
-    max_iter:       most cycles
+    max_iter:       most cycles; 0 (no cycle: the nested guess F-relaxed once) only with
+                    initial_guess="nested", levels >= 2 and tol = 0
     divergence_factor: a residual above this multiple of the first one, or
                     one that is not finite, stops the solve with DivergenceError
     execution:      "auto" (batched when the propagator has step_batch), "loop" or
@@ -106,7 +107,7 @@ class Config:
                            relax if isinstance(self.relax, (list, tuple)) else self.relax)
         _check_int("min_coarse", self.min_coarse, 1)
         _check_int("relax_sweeps", self.relax_sweeps, 1)
-        _check_int("max_iter", self.max_iter, 1)
+        _check_int("max_iter", self.max_iter, 0)
         for name in ("c_weight", "tol", "divergence_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -133,6 +134,12 @@ class Config:
         if not isinstance(guess, torch.Tensor) and guess not in GUESS_KINDS:
             raise ValueError(f"initial_guess={guess!r} is not valid; choose one of "
                              f"{', '.join(map(repr, GUESS_KINDS))} or a tensor of shape (N+1, *u0.shape)")
+        if self.max_iter == 0 and (isinstance(guess, torch.Tensor) or guess != "nested"
+                                   or self.levels < 2 or self.tol > 0):
+            raise ValueError("max_iter=0 (no cycle: the nested start, F-relaxed once) needs "
+                             "initial_guess='nested', levels >= 2 and tol=0; got "
+                             f"initial_guess={'a tensor' if isinstance(guess, torch.Tensor) else repr(guess)}, "
+                             f"levels={self.levels}, tol={self.tol}")
 
     def coarsening_at(self, level: int) -> int:
         """Coarsening factor from `level` to `level + 1`."""

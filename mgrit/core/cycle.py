@@ -324,6 +324,14 @@ class Solver:
             self._ops.final_sweep(False)
             if history.done():
                 break
+        if cfg.max_iter == 0 and multilevel:
+            # no cycle: the nested start relaxed once (Config allows 0 cycles only from
+            # there); as the last sweep of a cycle, it and the residual that follows are
+            # the solve's final sweep
+            self._ops.final_sweep(True)
+            f_relax(self.levels[0], self.executor)
+            history.add(self._local_residual(history))
+            self._ops.final_sweep(False)
         final = history.finish(u0, want_final)
         self._drain()
         self._has_solved = True
