@@ -11,6 +11,7 @@ import torch
 from benchmarks.work import ratios, step_work
 from benchmarks.workloads import TRAINING_WORKLOADS, digits_dense
 from mgrit.core.config import Config
+from mgrit.nn.controller import solve_terms
 
 N, M = 16, 4
 
@@ -48,3 +49,21 @@ def test_two_level_f_relaxation(cycles: tuple[int, int]) -> None:
     assert counts["train_step"]["forward_by_level"] == {0: fine(kf), 1: 2 * kf * N // M}
     assert counts["train_step"]["adjoint_by_level"] == {0: fine(kb), 1: 2 * kb * N // M}
     assert counts["forward"]["forward_by_level"] == {0: fine(kf), 1: 2 * kf * N // M}
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+def test_a_nested_start_adds_what_the_cost_model_counts(levels: int) -> None:
+    """A nested forward start (`initial_guess="nested"`) adds the coarse levels' solve
+    before the first cycle: on two levels exactly one coarse sweep (N/m steps on level 1);
+    on any, as many evaluations as the cost model's terms add (`solve_terms`, one rank)."""
+    cfg = lambda guess: Config(levels=levels, coarsening=M, relax="F", tol=0.0,  # noqa: E731
+                               max_iter=1, min_coarse=1, initial_guess=guess)
+    zero, nested = (step_work(_digits_workload(cfg(g), cfg("zero")))["forward"]
+                    for g in ("zero", "nested"))
+    added = {lv: n - zero["forward_by_level"].get(lv, 0)
+             for lv, n in nested["forward_by_level"].items()}
+    if levels == 2:
+        assert added == {0: 0, 1: N // M}
+    assert sum(added.values()) > 0
+    tz, tn = solve_terms(cfg("zero"), N, 1), solve_terms(cfg("nested"), N, 1)
+    assert sum(added.values()) == (tn.intervals + tn.steps) - (tz.intervals + tz.steps)

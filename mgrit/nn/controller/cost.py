@@ -95,10 +95,16 @@ def solve_terms(config: Config, num_steps: int, ranks: int) -> Terms:
     if len(grids) == 1:
         for _ in range(config.max_iter):
             march(0)
-    else:
-        phase(grids[0].coarsening - 1, grids[1].num_steps)
-        for _ in range(config.max_iter):
-            visit(0, False, config.cycle)
+        return Terms(calls, intervals, steps, hops + _log2(ranks))
+    if config.initial_guess == "nested":
+        # the coarsest level's march, then a V-cycle from each level between it and the
+        # fine one: what the solver does before its first cycle (`Solver._nested`)
+        march(len(grids) - 1)
+        for level in range(len(grids) - 2, 0, -1):
+            visit(level, True, "V")
+    phase(grids[0].coarsening - 1, grids[1].num_steps)
+    for _ in range(config.max_iter):
+        visit(0, False, config.cycle)
     return Terms(calls, intervals, steps, hops + _log2(ranks))
 
 
