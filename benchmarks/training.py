@@ -20,6 +20,7 @@ from mgrit.app.data import digits
 from mgrit.app.loop import evaluate, train_epoch, train_step
 from mgrit.core.config import Config
 from mgrit.nn import LayerParallel, choose_settings, draws
+from mgrit.nn.controller import THRESHOLD
 from mgrit.nn.defaults import training_config
 from mgrit.kernels.strategies import is_dense_tanh
 
@@ -144,22 +145,29 @@ def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
 CHOSEN = "MGRIT, chosen hierarchy"
-HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter")
+HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter", "initial_guess")
 
 
 def chosen_variant(work: TrainingWorkload, comm: Any = None) -> TrainingWorkload:
-    """The workload with the hierarchy that the calibrated cost model prices cheapest for
-    its network on the ranks of `comm` (`mgrit.nn.choose_settings`, timed on the
-    workload's own batch; collective), at the workload's cycles."""
+    """The workload with the settings that the calibrated cost model prices cheapest for
+    its network on the ranks of `comm` among those whose gradient error, measured on the
+    workload's own batch against exact stepping, is within the controller's default
+    threshold (`mgrit.nn.choose_settings` with `threshold=THRESHOLD`; collective): the
+    hierarchy, the cycles of either pass up to the workload's, and a nested forward start."""
     model, _ = build(work, comm=comm)
     x, y = work.inputs(torch.Generator().manual_seed(1))
-    forward, backward = choose_settings(model, lambda: work.loss(model(x), y))
+    forward, backward = choose_settings(model, lambda: work.loss(model(x), y),
+                                        threshold=THRESHOLD)
     return replace(work, forward=forward, backward=backward)
 
 
 def hierarchy(work: TrainingWorkload) -> dict[str, dict[str, Any]]:
-    """The hierarchy options of a workload's two solves, as plain values."""
-    return {kind: {key: getattr(cfg, key) for key in HIERARCHY_KEYS}
+    """The hierarchy options of a workload's two solves, as plain values (a tensor guess,
+    which no chosen setting has, as its kind's name)."""
+    def value(cfg: Config, key: str) -> Any:
+        v = getattr(cfg, key)
+        return "tensor" if isinstance(v, Tensor) else v
+    return {kind: {key: value(cfg, key) for key in HIERARCHY_KEYS}
             for kind, cfg in (("forward", work.forward), ("backward", work.backward))}
 
 
@@ -174,13 +182,15 @@ def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
 
 
 def hierarchy_label(options: dict[str, dict[str, Any]]) -> str:
-    """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way."""
+    """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way, and
+    'nested' where the forward solve starts from the coarse levels' solution."""
     f, b = options["forward"], options["backward"]
 
     def text(value: Any) -> str:
         return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     return (f"L{f['levels']} m{text(f['coarsening'])} {text(f['relax'])} "
-            f"{f['max_iter']}/{b['max_iter']}")
+            f"{f['max_iter']}/{b['max_iter']}"
+            + (" nested" if f.get("initial_guess") == "nested" else ""))
 
 
 def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None

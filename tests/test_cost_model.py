@@ -248,13 +248,14 @@ def test_bad_calibration_options_are_named():
 @pytest.mark.mpi
 def test_every_rank_calibrates_and_chooses_alike(mpi):
     """Two ranks time their own solves (their seconds differ) but fit, price and choose
-    from the mean: the calibration, the chosen options and the controller's prices are the
+    from the mean, and measure errors reduced over both: the calibration, the chosen
+    options (by price, and by price and measured error) and the controller's prices are the
     same on both."""
     run = mpi("controller.py", 2, "calibrated", timeout=240)
     assert run.returncode == 0, run.stderr
     reports = run.by_rank()
     assert reports[0]["calibration"]["forward"]["step"] > 0
-    for key in ("calibration", "chosen", "costs"):
+    for key in ("calibration", "chosen", "measured", "costs"):
         assert reports[0][key] == reports[1][key], key
 
 
@@ -296,3 +297,77 @@ def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
     loss_fn(fresh(x), y).backward()
     for a, b_ in zip(model.parameters(), fresh.parameters()):
         assert torch.allclose(a.grad, b_.grad, rtol=1e-10, atol=1e-12)
+
+
+# choosing with a measured error -----------------------------------------------------------
+
+def test_a_chosen_setting_meets_the_threshold_against_serial_autograd():
+    """With a threshold, the chosen settings' gradient (a model built with them) lies
+    within TARGET * threshold of serial autograd's; fewer cycles are taken where they meet
+    it; an unreachable threshold gives exact stepping, a lax one the cheapest candidate
+    (no cycle, from nested starts; priced below the choice at the options' cycles). The
+    parameters' gradients and the model's options are as they were."""
+    from benchmarks.training import gradient_agreement, gradient_pairs
+    from mgrit.nn.controller import TARGET
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    x, y = data("dense", 8)
+    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    closure().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    cal = Calibration(Units(2e-5, 1e-7, 2e-6), Units(3e-5, 2e-7, 3e-6))
+    chosen = choose_settings(model, closure, calibration=cal, threshold=0.25)
+    assert all(p.grad is not None and torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), grads))
+    assert (model.forward_config, model.backward_config) == (f, b)
+    again, serial = build("dense", 64, *chosen)
+    torch.nn.functional.cross_entropy(again(x), y).backward()
+    torch.nn.functional.cross_entropy(serial(x), y).backward()
+    error = gradient_agreement(gradient_pairs(again, serial))["relative_error"]
+    assert error <= TARGET * 0.25 + 1e-9
+    # this network's gradients meet it with fewer forward cycles than the options' two
+    assert chosen[0].levels > 1 and chosen[0].max_iter < 2
+    # nothing but exact stepping meets an error of 1e-12
+    exact = choose_settings(model, closure, calibration=cal, threshold=1e-12)
+    assert [c.levels for c in exact] == [1, 1]
+    # every candidate meets a lax threshold: the cheapest is no cycle from nested starts
+    lax = choose_settings(model, closure, calibration=cal, threshold=1e6)
+    plain = choose_settings(model, closure, calibration=cal)
+    assert [(c.max_iter, c.initial_guess) for c in lax] == [(0, "nested")] * 2
+    assert step_seconds(*lax, 64, 1, cal) < step_seconds(*plain, 64, 1, cal)
+    assert [c.max_iter for c in plain] == [2, 1]
+
+
+def test_nested_settings_start_their_passes_from_the_coarse_solution():
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    setting = Setting(1, 1, 2, coarsening=8, nested=True)
+    forward, backward = configs_of(setting, f, b, 3)
+    assert (forward.initial_guess, backward.initial_guess) == ("nested", "zero")
+    assert forward.max_iter == 1 and forward.coarsening == 8
+    assert "nested" in setting.label and "nested" not in replace(setting, nested=False).label
+    assert Setting(*setting.as_list()) == setting
+    # settings saved before the flags existed load as not nested
+    assert Setting(*setting.as_list()[:6]) == replace(setting, nested=False)
+    both = configs_of(replace(setting, nested_backward=True), f, b, 3)
+    assert [c.initial_guess for c in both] == ["nested", "nested"]
+    # no cycle is a solve only from a nested start, and only where the options start at zero
+    assert valid(Setting(0, 1, 2, coarsening=8, nested=True), f, b, 3, 64)
+    assert not valid(Setting(0, 1, 2, coarsening=8), f, b, 3, 64)
+    assert not valid(Setting(1, 0, 2, coarsening=8, nested=True), f, b, 3, 64)
+    assert not valid(Setting(0, 1, 2, coarsening=8, nested=True),
+                     replace(f, initial_guess="warm"), b, 3, 64)
+    # the cost model prices the coarse solve it adds
+    assert step_seconds(forward, backward, 64, 1, Calibration(Units(1, 1, 1), Units(1, 1, 1))) \
+        > step_seconds(*configs_of(replace(setting, nested=False), f, b, 3), 64, 1,
+                       Calibration(Units(1, 1, 1), Units(1, 1, 1)))
+
+
+def test_bad_choice_options_are_named():
+    model, _ = build("dense", 32)
+    x, _ = data("dense", 2)
+    cal = Calibration(Units(1, 1, 1), Units(1, 1, 1))
+    for options, words in (({"threshold": 0}, "threshold"), ({"threshold": "0.2"}, "threshold"),
+                           ({"threshold": 0.2, "trials": 0}, "trials"),
+                           ({"most_levels": 1}, "most_levels")):
+        with pytest.raises(ValueError, match=words):
+            choose_settings(model, x, calibration=cal, **options)

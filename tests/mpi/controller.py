@@ -110,8 +110,10 @@ elif mode == "calibrated":
     loss_fn(model(x), y).backward()
     cal = calibrate(model, x, repeats=2)
     chosen = choose_settings(model, x, calibration=cal)
+    measured = choose_settings(model, x, calibration=cal, threshold=0.25)
     controller = Controller(model, calibration=cal)
     settings = [controller.base, Setting(1, 1, 2, coarsening=8), EXACT_SETTING]
     report({"calibration": cal.as_dict(),
             "chosen": [sorted(c.describe().items()) for c in chosen],
+            "measured": [sorted(c.describe().items()) for c in measured],
             "costs": [controller.cost(s) for s in settings]})

@@ -20,15 +20,17 @@ exact gradients. This package measures by how much and acts on it:
   the model (`LayerParallel.set_solvers`) to keep the measured error below a threshold at
   the least cost.
 
-The jobs live apart: `agreement`, `probe`, `cost`, `calibrate`, `hierarchy` (settings as
-solver options, and which the layers allow), `policy` and `control` (the `Controller`).
+The jobs live apart: `agreement`, `probe`, `cost`, `calibrate`, `choose` (settings before
+training), `hierarchy` (settings as solver options, and which the layers allow), `policy`
+and `control` (the `Controller`).
 
 Every decision follows from numbers that are the same on every rank (sums reduced over the
 layer-parallel group, or the caller's values averaged over it), so all ranks decide alike.
 """
 
 from .agreement import GROUPS, gradient_agreement, mean_over_ranks
-from .calibrate import calibrate, choose_settings
+from .calibrate import calibrate
+from .choose import choose_settings
 from .control import Controller
 from .cost import (BATCHING, LATENCY, Calibration, Terms, Units, fit, solve_cost,
                    solve_seconds, solve_terms, step_seconds)

@@ -5,8 +5,8 @@ machine and these layers rather than by a fixed batching gain.
 layers and state (exact stepping pins a march step's cost, two-level and three-level
 solves with different coarsenings the cost of a batched call and of each interval in it),
 averages the seconds over the ranks so that every rank fits the same numbers, and fits the
-cost model's `Units` to them (`cost.fit`). `choose_settings` prices every valid hierarchy
-with the result and returns the cheapest as solver options.
+cost model's `Units` to them (`cost.fit`). `choose.choose_settings` prices hierarchies
+with the result.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from ...core.grid import build_hierarchy
 from ..layer_parallel import LayerParallel
 from .agreement import mean_over_ranks
 from .cost import LATENCY, Calibration, Terms, fit, solve_terms
-from .hierarchy import cheapest, configs_of, hierarchies
-from .policy import Setting
 from .probe import probe_solves
 
 # the hierarchies timed besides exact stepping: (levels, coarsening), one cycle each way
@@ -30,7 +28,7 @@ TIMED = ((2, 2), (2, 8), (3, 4))
 REPEATS = 3
 
 
-def _closure(model: LayerParallel, like: Tensor | Callable[[], Tensor]) -> Callable[[], Tensor]:
+def closure_of(model: LayerParallel, like: Tensor | Callable[[], Tensor]) -> Callable[[], Tensor]:
     if callable(like):
         return like
     if not isinstance(like, Tensor):
@@ -68,7 +66,7 @@ def calibrate(model: LayerParallel, like: Tensor | Callable[[], Tensor],
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
         raise ValueError(f"latency must be a number >= 0 (seconds), got {latency!r}")
-    closure = _closure(model, like)
+    closure = closure_of(model, like)
     pairs = timed_configs(model)
     seconds: list[float] = []
     for forward, backward in pairs:
@@ -87,35 +85,3 @@ def calibrate(model: LayerParallel, like: Tensor | Callable[[], Tensor],
             samples[kind].append((solve_terms(pair[i], n, ranks), seconds[2 * k + i]))
     return Calibration(fit(samples["forward"], latency), fit(samples["backward"], latency),
                        float(latency))
-
-
-def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
-                    ranks: int | None = None, calibration: Calibration | None = None,
-                    most_levels: int | None = None, repeats: int = REPEATS
-                    ) -> tuple[Config, Config]:
-    """The forward and backward options of the hierarchy the calibrated cost model prices
-    cheapest for `model` on `ranks` ranks (by default its own), at the cycles of its
-    current options: 2 to `most_levels` levels (by default one more than its options
-    have), coarsenings 2, 4, 8 and 16 and F or FCF relaxation below the fine level, where
-    the layers allow them and the coarsest step is no longer than the current options'
-    (`hierarchy.valid`). `calibration` is measured on `like` (`calibrate`) unless given.
-    Exact stepping is not among the choices: it may still be cheaper (compare
-    `cost.step_seconds` of levels=1). Collective unless `calibration` is given."""
-    if not isinstance(model, LayerParallel):
-        raise TypeError(f"model must be a mgrit.LayerParallel, got {type(model).__name__}")
-    forward, backward = model.forward_config, model.backward_config
-    levels = max(forward.levels, backward.levels)
-    most = most_levels if most_levels is not None else levels + 1
-    if isinstance(most, bool) or not isinstance(most, int) or most < 2:
-        raise ValueError(f"most_levels must be an int >= 2, got {most!r}")
-    ranks = model.comm.size if ranks is None else ranks
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
-    if calibration is None:
-        calibration = calibrate(model, like, repeats)
-    base = Setting(forward.max_iter, backward.max_iter, levels)
-    options = hierarchies(base, forward, backward, model.num_steps, most)
-    if not options:
-        return forward, backward
-    best = cheapest(options, forward, backward, model.num_steps, ranks, calibration)[0][1]
-    return configs_of(best, forward, backward, levels)

@@ -40,27 +40,32 @@ def configs_of(setting: Setting, forward: Config, backward: Config, base_levels:
     `backward` options (whose most levels are `base_levels`): `cold`, from a zero guess
     where the options would start warm. A pass keeps its own fewer levels unless the
     setting has more than the user's; a coarsening or coarse relaxation the setting names
-    replaces the user's on every level."""
+    replaces the user's on every level; `nested` (`nested_backward`) starts the forward
+    (backward) solve from the coarse levels' solution where it would start from zero."""
     out = []
-    for base, cycles in ((forward, setting.forward), (backward, setting.backward)):
+    for pass_, (base, cycles) in enumerate(((forward, setting.forward),
+                                            (backward, setting.backward))):
         if setting.exact:
             cfg = replace(base, levels=1, max_iter=1, tol=0.0, initial_guess="zero")
         else:
             levels = (min(setting.levels, base.levels) if setting.levels <= base_levels
                       else setting.levels)
-            if setting.levels <= base_levels and not setting.coarsening and \
-                    not setting.coarse:
-                cfg = replace(base, levels=levels, max_iter=cycles)
-            else:
-                m = setting.coarsening or base.coarsening_at(0)
+            changes: dict = {"levels": levels, "max_iter": cycles}
+            if setting.levels > base_levels or setting.coarsening or setting.coarse:
                 coarse = setting.coarse or (base.relax_at(1) if base.levels > 2 else "FCF")
-                relax = (base.relax_at(0),) + (coarse,) * (levels - 2) if levels > 1 else "F"
-                cfg = replace(base, levels=levels, max_iter=cycles, coarsening=m,
-                              relax=relax)
+                changes.update(coarsening=setting.coarsening or base.coarsening_at(0),
+                               relax=(base.relax_at(0),) + (coarse,) * (levels - 2)
+                               if levels > 1 else "F")
+            guess = base.initial_guess
             if setting.warm:
-                cfg = replace(cfg, initial_guess="warm")
-            if cold and cfg.initial_guess == "warm":
-                cfg = replace(cfg, initial_guess="zero")
+                guess = "warm"
+            if cold and isinstance(guess, str) and guess == "warm":
+                guess = "zero"
+            if ((setting.nested, setting.nested_backward)[pass_]
+                    and isinstance(guess, str) and guess == "zero"):
+                guess = "nested"
+            # one replace: a Config of no cycles is valid only with its nested start
+            cfg = replace(base, initial_guess=guess, **changes)
         out.append(cfg)
     return out[0], out[1]
 
@@ -76,9 +81,16 @@ def valid(setting: Setting, forward: Config, backward: Config, base_levels: int,
           num_steps: int) -> bool:
     """Whether both passes of `setting` build the levels they name and their coarsest
     step is no longer than the user's options' (the longest step judged stable: a coarse
-    forward-Euler step grows with the coarsening, and its stability is not measured)."""
+    forward-Euler step grows with the coarsening, and its stability is not measured), and
+    a pass of no cycles starts nested."""
     if setting.exact:
         return True
+    for cycles, nested, base in ((setting.forward, setting.nested, forward),
+                                 (setting.backward, setting.nested_backward, backward)):
+        # no cycle at all is a solve only from a nested start (`Config`)
+        if cycles == 0 and not (nested and isinstance(base.initial_guess, str)
+                                and base.initial_guess == "zero"):
+            return False
     longest = max(coarsest_stride(c, num_steps) for c in (forward, backward))
     for cfg in configs_of(setting, forward, backward, base_levels):
         grids = build_hierarchy(num_steps, cfg.coarsening_list(), cfg.levels,

@@ -50,7 +50,11 @@ class Setting:
     levels than the user's); levels 1 is exact stepping, one sequential sweep each way.
     `warm`: both solves start from the previous step's states (otherwise from the guess of
     the user's options). `coarsening` (0: the user's) and `coarse`, the relaxation of the
-    levels below the fine one ("F" or "FCF"; "": the user's), change the hierarchy."""
+    levels below the fine one ("F" or "FCF"; "": the user's), change the hierarchy.
+    `nested`, `nested_backward`: the forward (backward) solve starts from the coarse
+    levels' solution (`initial_guess="nested"`) where it would start from zero: one coarse
+    march more, and 0 cycles allowed (the start F-relaxed once); `choose_settings` takes
+    them where the measured error allows."""
 
     forward: int
     backward: int
@@ -58,6 +62,8 @@ class Setting:
     warm: bool = False
     coarsening: int = 0
     coarse: str = ""
+    nested: bool = False
+    nested_backward: bool = False
 
     @property
     def exact(self) -> bool:
@@ -69,11 +75,13 @@ class Setting:
             return "exact"
         return (f"{self.forward}/{self.backward} L{self.levels}"
                 + (f" m{self.coarsening}" if self.coarsening else "")
-                + (f" {self.coarse}" if self.coarse else "") + (" warm" if self.warm else ""))
+                + (f" {self.coarse}" if self.coarse else "") + (" warm" if self.warm else "")
+                + (" nested" if self.nested else "")
+                + (" nested-backward" if self.nested_backward else ""))
 
     def as_list(self) -> list[Any]:
         return [self.forward, self.backward, self.levels, self.warm, self.coarsening,
-                self.coarse]
+                self.coarse, self.nested, self.nested_backward]
 
 
 EXACT_SETTING = Setting(1, 1, 1)

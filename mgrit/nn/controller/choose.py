@@ -1,0 +1,128 @@
+"""Choosing a network's settings before training: the cheapest hierarchy by the calibrated
+cost model (`cost.step_seconds`), and, given an error threshold, the cheapest whose
+gradient is measured to stay within it.
+
+Without a threshold only hierarchies at the cycles of the model's options are priced: the
+hierarchy changes what a cycle costs, and how far a cycle converges is not measured. With
+one, fewer cycles and nested starts are priced as well (the coarse levels' solution as the
+first guess: on the reference workloads one forward cycle from there is about as accurate
+as two from zero, and no cycle, the start F-relaxed once, as one from zero), and the
+candidates are measured cheapest first against exact stepping's gradient on the given
+batch until one meets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from torch import Tensor
+
+from ...core.config import Config
+from ..layer_parallel import LayerParallel
+from .agreement import gradient_agreement
+from .calibrate import REPEATS, calibrate, closure_of
+from .cost import Calibration
+from .hierarchy import cheapest, configs_of, hierarchies
+from .policy import TARGET, Setting
+from .probe import EXACT, probe_solves
+
+# candidates measured at most, cheapest first, before exact stepping is taken
+TRIALS = 8
+
+
+def _check(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
+
+
+def _zero_start(config: Config) -> bool:
+    return isinstance(config.initial_guess, str) and config.initial_guess == "zero"
+
+
+def _passes(cycles: int, zero: bool) -> list[tuple[int, bool]]:
+    """(cycles, nested start) of one pass: `cycles` down to 1 from the options' start, and
+    where that is zero also from a nested one, down to none."""
+    out = [(k, False) for k in range(cycles, 0, -1)]
+    if zero:
+        out += [(k, True) for k in range(cycles, -1, -1)]
+    return out
+
+
+def candidates(base: Setting, forward: Config, backward: Config, num_steps: int,
+               most_levels: int, fewer_cycles: bool) -> list[Setting]:
+    """Every valid hierarchy at `base`'s cycles (`hierarchies`) and, with `fewer_cycles`,
+    at every smaller number of cycles of either pass, and from a nested start where the
+    pass's options start from zero (then down to no cycle: the start F-relaxed once)."""
+    if not fewer_cycles:
+        return hierarchies(base, forward, backward, num_steps, most_levels)
+    out = []
+    for f, nested in _passes(base.forward, _zero_start(forward)):
+        for b, nested_backward in _passes(base.backward, _zero_start(backward)):
+            at = replace(base, forward=f, backward=b, nested=nested,
+                         nested_backward=nested_backward)
+            out += hierarchies(at, forward, backward, num_steps, most_levels)
+    return out
+
+
+def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
+                    ranks: int | None = None, calibration: Calibration | None = None,
+                    most_levels: int | None = None, repeats: int = REPEATS,
+                    threshold: float | None = None, trials: int = TRIALS
+                    ) -> tuple[Config, Config]:
+    """The forward and backward options of the hierarchy the calibrated cost model prices
+    cheapest for `model` on `ranks` ranks (by default its own): 2 to `most_levels` levels
+    (by default one more than its options have), coarsenings 2, 4, 8 and 16 and F or FCF
+    relaxation below the fine level, where the layers allow them and the coarsest step is
+    no longer than the current options' (`hierarchy.valid`). `calibration` is measured on
+    `like` (an input batch, or a closure computing a loss through the model; `calibrate`)
+    unless given.
+
+    Without `threshold`: at the cycles of the model's current options, and exact stepping
+    is not among the choices (compare `cost.step_seconds` of levels=1).
+
+    With `threshold` (a relative gradient error, as `Controller` takes): fewer cycles of
+    either pass and nested starts (down to no cycle: the start F-relaxed once) are
+    candidates too; the `trials` cheapest are
+    measured in order of price (`probe_solves` on `like`, against exact stepping's
+    gradient) and the first whose error is at most TARGET * threshold is returned (the
+    margin the controller keeps for other batches); if none is, exact stepping (levels=1),
+    which has no error. The parameters' gradients and training's solvers are as they were
+    afterwards.
+
+    Collective unless `calibration` is given and `threshold` is None: every rank gets the
+    same options."""
+    if not isinstance(model, LayerParallel):
+        raise TypeError(f"model must be a mgrit.LayerParallel, got {type(model).__name__}")
+    forward, backward = model.forward_config, model.backward_config
+    levels = max(forward.levels, backward.levels)
+    most = _check("most_levels", most_levels if most_levels is not None else levels + 1, 2)
+    ranks = _check("ranks", model.comm.size if ranks is None else ranks, 1)
+    if threshold is not None and (isinstance(threshold, bool)
+                                  or not isinstance(threshold, (int, float))
+                                  or not threshold > 0):
+        raise ValueError(f"threshold must be a number > 0 (a relative gradient error), got "
+                         f"{threshold!r}")
+    _check("trials", trials, 1)
+    closure = closure_of(model, like)
+    if calibration is None:
+        calibration = calibrate(model, closure, repeats)
+    base = Setting(forward.max_iter, backward.max_iter, levels)
+    options = candidates(base, forward, backward, model.num_steps, most,
+                         fewer_cycles=threshold is not None)
+    if not options:
+        return forward, backward
+    ranked = [s for _, s in cheapest(options, forward, backward, model.num_steps, ranks,
+                                     calibration)]
+    if threshold is None:
+        return configs_of(ranked[0], forward, backward, levels)
+    exact, _, _ = probe_solves(model, closure, EXACT, EXACT)
+    for setting in ranked[:trials]:
+        configs = configs_of(setting, forward, backward, levels, cold=True)
+        gradients, _, _ = probe_solves(model, closure, *configs)
+        error = gradient_agreement(model, gradients, exact)["overall"]["relative_error"]
+        if error <= TARGET * threshold:
+            return configs
+    return (replace(forward, levels=1, max_iter=1, tol=0.0, initial_guess="zero"),
+            replace(backward, levels=1, max_iter=1, tol=0.0, initial_guess="zero"))
