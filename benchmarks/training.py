@@ -183,14 +183,19 @@ def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
 
 def hierarchy_label(options: dict[str, dict[str, Any]]) -> str:
     """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way, and
-    'nested' where the forward solve starts from the coarse levels' solution."""
+    which passes start from the coarse levels' solution ('nested': both)."""
     f, b = options["forward"], options["backward"]
 
     def text(value: Any) -> str:
         return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     return (f"L{f['levels']} m{text(f['coarsening'])} {text(f['relax'])} "
-            f"{f['max_iter']}/{b['max_iter']}"
-            + (" nested" if f.get("initial_guess") == "nested" else ""))
+            f"{f['max_iter']}/{b['max_iter']}" + _nested_label(f, b))
+
+
+def _nested_label(forward: dict[str, Any], backward: dict[str, Any]) -> str:
+    nested = [kind for kind, options in (("forward", forward), ("backward", backward))
+              if options.get("initial_guess") == "nested"]
+    return " nested" if len(nested) == 2 else "".join(f" nested {kind}" for kind in nested)
 
 
 def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None

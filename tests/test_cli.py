@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from benchmarks.workloads import W0_REFERENCE
+from mgrit.nn.controller import TARGET, THRESHOLD
 
 
 def _mgrit(*args, check=True):
@@ -80,12 +81,13 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
         assert lp["ratio_to_serial"] == pytest.approx(lp["seconds"]
                                                       / steps["serial pytorch"]["seconds"])
         assert lp["ratio_to_sequential"] == pytest.approx(lp["seconds"] / sequential)
-    # the chosen hierarchy: its gradient recomputed here with the options it names, and
-    # its evaluations those of that hierarchy (2 forward cycles of levels over 2 layers
-    # each at least, where sequential stepping takes one per layer)
+    # the chosen hierarchy: its gradient recomputed here with the options it names is
+    # within the controller's margin of the threshold it was chosen by, at no more cycles
+    # than the workload's; its evaluations those of a hierarchy (a coarse level's on top
+    # of one sweep each way at least)
     chosen = steps["MGRIT, chosen hierarchy"]
     options = chosen["hierarchy"]
-    assert options["forward"]["max_iter"] == 2 and options["backward"]["max_iter"] == 1
+    assert options["forward"]["max_iter"] <= 2 and options["backward"]["max_iter"] <= 1
     assert options["forward"]["levels"] >= 2
     assert chosen["evaluations_vs_sequential"] > 1
     chosen_grad = next(r for r in records if r["metric"] == "gradient"
@@ -93,6 +95,7 @@ def test_bench_w2_reports_time_ratios_and_gradient_quality(tmp_path):
     recomputed = _w2_gradient_quality(options)
     assert chosen_grad["relative_error"] == pytest.approx(recomputed["relative_error"],
                                                           rel=1e-4)
+    assert recomputed["relative_error"] <= TARGET * THRESHOLD
     grad = next(r for r in records if r["metric"] == "gradient")
     expected = _w2_gradient_quality()
     assert grad["cosine"] == pytest.approx(expected["cosine"], rel=1e-6)

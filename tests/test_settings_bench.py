@@ -55,3 +55,17 @@ def test_sequential_gradient_matches_serial_autograd() -> None:
     work.loss(model(x), y).backward()
     work.loss(serial(x), y).backward()
     assert gradient_agreement(gradient_pairs(model, serial))["relative_error"] < 1e-5
+
+
+def test_hierarchy_labels_name_the_passes_that_start_nested():
+    from benchmarks.training import hierarchy_label
+    forward = {"levels": 2, "coarsening": 8, "relax": ["F"], "max_iter": 0,
+               "initial_guess": "nested"}
+    backward = dict(forward, max_iter=1, initial_guess="zero")
+    assert hierarchy_label({"forward": forward, "backward": backward}) == \
+        "L2 m8 F 0/1 nested forward"
+    assert hierarchy_label({"forward": forward, "backward": dict(forward)}) == \
+        "L2 m8 F 0/0 nested"
+    # records written before the start was kept read as zero starts
+    plain = {k: v for k, v in backward.items() if k != "initial_guess"}
+    assert hierarchy_label({"forward": plain, "backward": plain}) == "L2 m8 F 1/1"
