@@ -116,14 +116,19 @@ def train(name: str, method: str, epochs: int | None = None) -> dict[str, Any]:
               "test_accuracy": test_accuracy, "cpu_seconds": cpu, "wall_seconds": wall,
               "test_losses": curve}
     if controller is not None:
-        errors = sorted(p["error"] for p in controller.probes)
-        record.update(probes=len(controller.probes),
-                      probe_seconds=sum(p["seconds"] for p in controller.probes),
-                      median_error=errors[len(errors) // 2],
-                      first_error=controller.probes[0]["error"],
-                      final_setting=controller.setting.label,
-                      decisions=controller.decisions)
+        record.update(controller_record(controller))
     return record
+
+
+def controller_record(controller: Controller) -> dict[str, Any]:
+    """What the controller measured and did in a run: its probes, their seconds, the
+    median and first gradient error, the setting it ended with and its changes."""
+    errors = sorted(p["error"] for p in controller.probes)
+    return {"probes": len(controller.probes),
+            "probe_seconds": sum(p["seconds"] for p in controller.probes),
+            "median_error": errors[len(errors) // 2],
+            "first_error": controller.probes[0]["error"],
+            "final_setting": controller.setting.label, "decisions": controller.decisions}
 
 
 def compare(name: str, epochs: int | None = None) -> dict[str, Any]:

@@ -12,7 +12,10 @@ Evaluation is in eval mode, where the layer-parallel model steps its layers exac
 validation loss and the test accuracy judge the weights that training reached, not the
 few-cycle forward pass that training uses. The learning rate decays to zero over the run
 (cosine), so the final weights have settled and the comparison is not of two points of a
-still noisy curve.
+still noisy curve. The variant "controller" trains with the default one's options and the
+default controller (`mgrit.nn.Controller`) deciding from step 0: it probes the gradient
+against exact stepping and changes the solvers between steps; its seconds per step include
+the probes.
 
     python -m benchmarks.transformers --json FILE [--steps N] [--epochs E]
         [--w4-variants NAME,...] [--w5-variants NAME,...] [--w4-seeds K,...] [--w5-seeds K,...]
@@ -34,9 +37,10 @@ from torch import Tensor, nn
 from mgrit.app.data import batches
 from mgrit.app.loop import evaluate, train_step
 from mgrit.core.config import Config
-from mgrit.nn import LayerParallel, draws
+from mgrit.nn import Controller, LayerParallel, draws
 from mgrit.nn.defaults import training_config
 
+from .controller import controller_record
 from .training import gradient_agreement, gradient_pairs
 from .workloads import (W4_SETTINGS, W5_SETTINGS, TrainingWorkload, digit_images,
                         token_cross_entropy, topics_corpus, w4_workload, w5_workload)
@@ -44,11 +48,13 @@ from .workloads import (W4_SETTINGS, W5_SETTINGS, TrainingWorkload, digit_images
 
 @dataclass(frozen=True)
 class Variant:
-    """Solver settings of the layer-parallel model: its forward and backward `Config`s."""
+    """Solver settings of the layer-parallel model: its forward and backward `Config`s, and
+    whether the default controller changes them during training (`controlled`)."""
 
     name: str
     forward: Config
     backward: Config
+    controlled: bool = False
 
 
 def _cycles(forward: int, backward: int, levels: int = 3, fine: str = "F") -> Variant:
@@ -64,9 +70,11 @@ def _cycles(forward: int, backward: int, levels: int = 3, fine: str = "F") -> Va
 SEQUENTIAL_ONE_LEVEL = Config(levels=1, tol=0.0, max_iter=1)
 # the default first; the others are what to try when it does not reach parity: more
 # forward or backward cycles, FCF-relaxation on the fine level, a shallower hierarchy, and
-# exact sequential stepping (levels=1: serial's gradient, a check of the set-up)
+# exact sequential stepping (levels=1: serial's gradient, a check of the set-up); or the
+# default controller, starting from the default's options, deciding for itself
 VARIANTS = {
     "default": _cycles(2, 1),
+    "controller": replace(_cycles(2, 1), name="controller, from 2/1 cycles", controlled=True),
     "3/1": _cycles(3, 1),
     "4/1": _cycles(4, 1),
     "3/2": _cycles(3, 2),
@@ -95,6 +103,16 @@ def _optimizer(work: TrainingWorkload, model: nn.Module, steps: int
     """The workload's optimizer, its learning rate decaying to zero over `steps` (cosine)."""
     optimizer = work.optimizer(model.parameters())
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
+
+
+def _controller(model: nn.Module, variant: Variant | None) -> Controller | None:
+    """The default controller of `model` where `variant` asks for one."""
+    return Controller(model) if variant is not None and variant.controlled else None
+
+
+def _run_record(controller: Controller | None) -> dict[str, Any]:
+    """A run's record of its controller (`controller_record`): none without one."""
+    return {} if controller is None else controller_record(controller)
 
 
 def _step_draws(model: nn.Module, seed: int, step: int) -> contextlib.AbstractContextManager:
@@ -161,9 +179,11 @@ def train_w4(variant: Variant | None, steps: int, eval_every: int, seed: int = 0
     windows each, learning rate decaying to zero); the validation loss on `windows` fixed
     validation windows before training, every `eval_every` steps and at the end, and there
     for the layer-parallel model its gradient's agreement with the exact one on a fixed
-    batch (`gradient_check`)."""
+    batch (`gradient_check`). A controlled variant's controller sees every validation
+    loss after training has begun."""
     work = w4_workload(**settings)
     model = build_model(work, variant, seed)
+    controller = _controller(model, variant)
     optimizer, schedule = _optimizer(work, model, steps)
     generator = torch.Generator().manual_seed(seed)
     vx, vy = validation_windows({**W4_SETTINGS, **settings}["context"], windows)
@@ -177,20 +197,23 @@ def train_w4(variant: Variant | None, steps: int, eval_every: int, seed: int = 0
         model.train()
         start = time.perf_counter()
         with _step_draws(model, seed, k):
-            loss, _ = train_step(model, optimizer, work.loss, x, y)
+            loss, _ = train_step(model, optimizer, work.loss, x, y, control=controller)
         seconds += time.perf_counter() - start
         schedule.step()
         losses.append(float(loss))
         if (k + 1) % eval_every == 0 or k + 1 == steps:
             residual = _forward_residual(model)     # before evaluation's own solve
+            validation = lm_loss(model, vx, vy)
+            if controller is not None:
+                controller.validation(validation)
             curve.append({"step": k + 1, "train_loss": sum(losses) / len(losses),
-                          "validation_loss": lm_loss(model, vx, vy),
+                          "validation_loss": validation,
                           "forward_residual": residual, **gradient_check(model, work, *probe)})
             losses = []
     return {"workload": "w4", "method": SERIAL if variant is None else variant.name,
             "steps": steps, "validation_loss": curve[-1]["validation_loss"],
             "train_seconds": seconds, "seconds_per_step": seconds / max(steps, 1),
-            "curve": curve}
+            "curve": curve, **_run_record(controller)}
 
 
 def train_w5(variant: Variant | None, epochs: int, seed: int = 0, **settings: Any
@@ -199,11 +222,13 @@ def train_w5(variant: Variant | None, epochs: int, seed: int = 0, **settings: An
     or layer-parallel for `epochs` epochs over the digits' training images in shuffled
     batches (learning rate decaying to zero); test loss and accuracy before training and
     after every epoch, and for the layer-parallel model its gradient's agreement with the
-    exact one on a fixed batch (`gradient_check`)."""
+    exact one on a fixed batch (`gradient_check`). A controlled variant's controller sees
+    every epoch's test loss."""
     work = w5_workload(**settings)
     batch = {**W5_SETTINGS, **settings}["batch"]
     split = digit_images()
     model = build_model(work, variant, seed)
+    controller = _controller(model, variant)
     optimizer, schedule = _optimizer(work, model, epochs * (len(split.x_train) // batch))
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.functional.cross_entropy
@@ -218,20 +243,23 @@ def train_w5(variant: Variant | None, epochs: int, seed: int = 0, **settings: An
             model.train()
             start = time.perf_counter()
             with _step_draws(model, seed, step):
-                loss, _ = train_step(model, optimizer, loss_fn, x, y)
+                loss, _ = train_step(model, optimizer, loss_fn, x, y, control=controller)
             seconds += time.perf_counter() - start
             schedule.step()
             losses.append(float(loss))
             step += 1
         residual = _forward_residual(model)
         test_loss, accuracy = evaluate(model, split.x_test, split.y_test, loss_fn)
+        if controller is not None:
+            controller.validation(test_loss)
         curve.append({"epoch": epoch + 1, "step": step, "train_loss": sum(losses) / len(losses),
                       "test_loss": test_loss, "test_accuracy": accuracy,
                       "forward_residual": residual, **gradient_check(model, work, *probe)})
     return {"workload": "w5", "method": SERIAL if variant is None else variant.name,
             "epochs": epochs, "steps": step, "test_accuracy": curve[-1]["test_accuracy"],
             "test_loss": curve[-1]["test_loss"], "train_seconds": seconds,
-            "seconds_per_step": seconds / max(step, 1), "curve": curve}
+            "seconds_per_step": seconds / max(step, 1), "curve": curve,
+            **_run_record(controller)}
 
 
 # parity: W4's validation loss within 2% of serial's, W5's test accuracy within half a
@@ -281,9 +309,9 @@ def parity(steps: int, eval_every: int, epochs: int, w4_variants: list[str],
                         "w5_accuracy_difference": W5_TOLERANCE}}
 
 
-def _describe(variant: Variant) -> dict[str, str]:
+def _describe(variant: Variant) -> dict[str, Any]:
     return {"name": variant.name, "forward": variant.forward.describe(),
-            "backward": variant.backward.describe()}
+            "backward": variant.backward.describe(), "controlled": variant.controlled}
 
 
 def _agreement(run: dict[str, Any]) -> str:
@@ -306,6 +334,7 @@ def print_tables(result: dict[str, Any]) -> None:
         ok = ("yes" if run["parity"] else "no") if "parity" in run else "-"
         print(f"{run['method']:>28}  {run['validation_loss']:15.4f}  {diff}  {ok:>6}  "
               f"{run['seconds_per_step']:10.3f}  {_agreement(run):>14}")
+    _print_controllers(result["w4"])
     for run in result["w4_serial_seeds"]:
         print(f"{'serial pytorch, seed ' + str(run['seed']):>28}  {run['validation_loss']:15.4f}"
               f"  {run['relative_difference']:+9.2%}")
@@ -321,11 +350,24 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"{run['method']:>28}  {run['test_accuracy'] * 100:12.2f}%  {diff}  {ok:>6}  "
               f"{run['test_loss']:9.4f}  {run['seconds_per_step']:10.3f}  "
               f"{_agreement(run):>14}")
+    _print_controllers(result["w5"])
     for run in result["w5_serial_seeds"]:
         print(f"{'serial pytorch, seed ' + str(run['seed']):>28}  "
               f"{run['test_accuracy'] * 100:12.2f}%  {run['difference'] * 100:+8.2f}p")
     print("test accuracy after every epoch")
     _print_curves(result["w5"], "epoch", "test_accuracy", "{:20.4f}")
+
+
+def _print_controllers(runs: list[dict[str, Any]]) -> None:
+    """What each controlled run's controller measured and changed."""
+    for run in runs:
+        if "probes" in run:
+            changes = ", ".join(f"step {d['step']}: {d['from']} -> {d['to']}"
+                                for d in run["decisions"]) or "none"
+            print(f"{run['method']}: {run['probes']} probes ({run['probe_seconds']:.1f} s), "
+                  f"gradient error at step 0 {run['first_error']:.3f}, median "
+                  f"{run['median_error']:.3f}; setting at the end {run['final_setting']}; "
+                  f"changes: {changes}")
 
 
 def _print_curves(runs: list[dict[str, Any]], x: str, y: str, fmt: str) -> None:

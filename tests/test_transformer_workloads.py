@@ -211,3 +211,38 @@ def test_scaling_command_line_refuses_bad_cases_before_running(tmp_path, argv):
     with pytest.raises(SystemExit):
         study.main([str(tmp_path), *argv])
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_parity_training_of_w4_with_the_controller_records_what_it_probed_and_did(monkeypatch):
+    variant, default = transformers.VARIANTS["controller"], transformers.VARIANTS["default"]
+    assert variant.controlled and not default.controlled
+    assert (variant.forward, variant.backward) == (default.forward, default.backward)
+    controllers = []
+
+    class Recorded(transformers.Controller):
+        def __init__(self, model):
+            super().__init__(model)
+            controllers.append(self)
+
+    monkeypatch.setattr(transformers, "Controller", Recorded)
+    run = transformers.train_w4(variant, 3, 1, windows=4, **TINY_W4)
+    controller, = controllers
+    assert controller.step == 3 and controller.probes[0]["step"] == 0
+    # the error probed at step 0 is the default options' gradient error on the first batch
+    # against serial autograd with the same weights and draws
+    work = w4_workload(**TINY_W4)
+    model = transformers.build_model(work, default, 0)
+    x, y = work.inputs(torch.Generator().manual_seed(0))
+    exact = transformers.gradient_check(model, work, x, y)["gradient_relative_error"]
+    assert run["first_error"] == pytest.approx(exact, rel=1e-3) and exact > 1e-3
+    assert run["probes"] == len(controller.probes)
+    assert run["probe_seconds"] == pytest.approx(sum(p["seconds"] for p in controller.probes))
+    assert run["final_setting"] == controller.setting.label
+    assert run["decisions"] == controller.decisions
+    # every evaluation after a training step reached the controller's policy
+    assert controller.policy.losses == [p["validation_loss"] for p in run["curve"][1:]]
+    # training ended with the solvers of the controller's final setting
+    assert (controller.model.forward_config, controller.model.backward_config) == \
+        controller.configs(controller.setting)
+    assert run["method"] == variant.name and math.isfinite(run["validation_loss"])
