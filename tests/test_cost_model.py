@@ -189,6 +189,58 @@ def test_the_policy_moves_between_hierarchies_only_where_measured_errors_allow()
     assert replace(base, coarse="F", coarsening=2) in p.wanted(0.9)
 
 
+def test_the_policy_moves_to_nested_starts_down_to_no_cycle_where_allowed():
+    """With `Moves(nested=True)`, a cycle less from a nested start is a cheaper move, down
+    to no cycle; without, neither; a pass of no cycle is never given a warm start (a warm
+    trial there is not offered), and nothing else drops a pass to no cycle."""
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    base = Setting(1, 1, 3, coarsening=4, coarse="FCF")
+
+    def cost(s):
+        if s.exact:
+            return 10.0
+        return (s.forward + 0.5 * s.nested + 2 * s.backward + s.nested_backward)
+
+    def policy(nested, warm_trials=False):
+        moves = Moves(4, nested=nested, valid=lambda s: valid(s, f, b, 3, 32))
+        return Policy(base, cost, threshold=0.25, every=10, max_every=40,
+                      warm_trials=warm_trials, moves=moves)
+
+    wanted = policy(True).wanted(0.01)
+    assert replace(base, forward=0, nested=True) in wanted
+    assert replace(base, backward=0, nested_backward=True) in wanted
+    assert not any(s.forward == 0 and not s.nested for s in wanted)
+    assert not any((s.forward, s.backward) == (0, 0) for s in wanted)   # one move at a time
+    assert not any(s.nested or s.nested_backward for s in policy(False).wanted(0.01))
+    p = policy(True)
+    measured = {s: 0.1 for s in p.wanted(0.01)}
+    new, why = p.decide(0, 0.01, measured)
+    assert why == "cheaper within threshold" and new == min(measured, key=cost)
+    # at no cycle, between LOWER and 1 times the threshold: no warm trial (not a solve)
+    p = policy(True, warm_trials=True)
+    p.setting = replace(base, forward=0, nested=True)
+    p.since_trial = 99
+    assert p.decide(0, 0.2, {}) == (p.setting, "within threshold")
+    # a cycle more from there keeps the nested start
+    assert replace(base, forward=1, nested=True) in p.wanted(0.9)
+
+
+def test_a_controller_prices_for_the_ranks_it_is_given():
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    cal = Calibration(Units(2e-5, 1e-7, 2e-6), Units(3e-5, 2e-7, 3e-6))
+    setting = Setting(2, 1, 3, coarsening=4, coarse="FCF")
+    for ranks in (1, 8):
+        controller = Controller(model, calibration=cal, ranks=ranks)
+        assert controller.cost(setting) == step_seconds(f, b, 64, ranks, cal)
+    # hops and shares of the work differ: a single rank's price is not 8 ranks'
+    assert Controller(model, calibration=cal, ranks=8).cost(setting) != \
+        Controller(model, calibration=cal).cost(setting)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="ranks"):
+            Controller(model, ranks=bad)
+
+
 # calibrating on a network -----------------------------------------------------------------
 
 def test_calibrating_leaves_training_as_it_was_and_prices_from_the_measurement():

@@ -55,15 +55,18 @@ class Controller:
     then steps with the training gradient, untouched.
 
     Settings are priced by a model of the solves' critical path for the layer-parallel
-    ranks (`cost.solve_terms`), not by a stopwatch per decision, so that a run decides the
+    ranks (`cost.solve_terms`; `ranks` prices them for that many instead, e.g. to decide
+    in one process as a run on P ranks would, whose arithmetic is the same), not by a
+    stopwatch per decision, so that a run decides the
     same way every time it is run (resumed, traced, on another machine). Its prices come
     from a `Calibration` measured once, at the first probe, on the network's own layers
     and batch and averaged over the ranks (`calibrate`; given as `calibration`, nothing is
     measured; `latency`: seconds per hop), or, with `batching` given, from the fixed model
     in single-step calls (`solve_cost`, see `BATCHING`). With `hierarchies` (and options
     of one coarsening and one coarse relaxation) the policy also moves between hierarchies:
-    a level more or fewer, coarsening 2, 4, 8 or 16, F or FCF below the fine level, and
-    cycles below the user's, each taken only where its measured error allows
+    a level more or fewer, coarsening 2, 4, 8 or 16, F or FCF below the fine level,
+    cycles below the user's and, for a pass whose options start from zero, a cycle less
+    from a nested start (down to none), each taken only where its measured error allows
     (`policy.Moves`, `hierarchy.valid`). Errors are sums reduced over the ranks (and
     the same on data-parallel replicas, whose gradients are averaged), validation losses
     are averaged over them: every rank decides alike. Every rank calls `after_backward` and
@@ -78,7 +81,7 @@ class Controller:
                  max_cycles: int = MAX_CYCLES, batching: float | None = None,
                  warm_trials: bool = True, policy: Policy | None = None,
                  calibration: Calibration | None = None, latency: float = LATENCY,
-                 hierarchies: bool = True) -> None:
+                 hierarchies: bool = True, ranks: int | None = None) -> None:
         if not isinstance(model, LayerParallel):
             raise TypeError(f"model must be a mgrit.LayerParallel, got {type(model).__name__}")
         if batching is not None and (isinstance(batching, bool) or
@@ -92,7 +95,12 @@ class Controller:
         if calibration is not None and not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a Calibration, got "
                             f"{type(calibration).__name__}")
+        if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int)
+                                  or ranks < 1):
+            raise ValueError(f"ranks must be an int >= 1 or None (the model's own), got "
+                             f"{ranks!r}")
         self.model = model
+        self.ranks = model.comm.size if ranks is None else ranks
         self.batching = None if batching is None else float(batching)
         self.calibration = calibration
         self.latency = float(latency)
@@ -105,7 +113,9 @@ class Controller:
                             *(shape if hierarchies and shape is not None else ()))
         moves = None
         if hierarchies and shape is not None:
-            moves = Moves(self.base_levels + 1, valid=lambda s: valid(
+            moves = Moves(self.base_levels + 1, nested=any(
+                isinstance(c.initial_guess, str) and c.initial_guess == "zero"
+                for c in (f, b)), valid=lambda s: valid(
                 s, f, b, self.base_levels, model.num_steps))
         # a policy of one's own (another rule, or a test's) decides from the same numbers
         self.policy = policy if policy is not None else Policy(
@@ -132,7 +142,7 @@ class Controller:
         `batching` given single-step calls (`solve_cost`; an adjoint step counts twice a
         forward step)."""
         forward, backward = self.configs(setting)
-        n, ranks = self.model.num_steps, self.model.comm.size
+        n, ranks = self.model.num_steps, self.ranks
         if self.batching is not None:
             return (solve_cost(forward, n, ranks, self.batching)
                     + 2 * solve_cost(backward, n, ranks, self.batching))

@@ -88,8 +88,8 @@ def valid(setting: Setting, forward: Config, backward: Config, base_levels: int,
     for cycles, nested, base in ((setting.forward, setting.nested, forward),
                                  (setting.backward, setting.nested_backward, backward)):
         # no cycle at all is a solve only from a nested start (`Config`)
-        if cycles == 0 and not (nested and isinstance(base.initial_guess, str)
-                                and base.initial_guess == "zero"):
+        if cycles == 0 and (setting.warm or not (nested and isinstance(base.initial_guess, str)
+                                                 and base.initial_guess == "zero")):
             return False
     longest = max(coarsest_stride(c, num_steps) for c in (forward, backward))
     for cfg in configs_of(setting, forward, backward, base_levels):

@@ -92,13 +92,15 @@ class Moves:
     """The hierarchies a policy may move between besides cycles and levels below the
     user's: `levels` up to `most_levels`, the `coarsenings` and coarse relaxations
     (`relaxations`) named, cycles down to `least_cycles` (taken only where the measured
-    error allows, like every move), and `valid`, which says whether a setting's hierarchy
+    error allows, like every move), `nested`: whether a cycle less from a nested start
+    (down to none) is a move too, and `valid`, which says whether a setting's hierarchy
     can be built and its coarse steps are judged stable."""
 
     most_levels: int
     coarsenings: tuple[int, ...] = (2, 4, 8, 16)
     relaxations: tuple[str, ...] = ("F", "FCF")
     least_cycles: int = 1
+    nested: bool = False
     valid: Callable[[Setting], bool] = field(default=lambda s: True, compare=False)
 
 
@@ -236,7 +238,8 @@ class Policy:
         """Back towards the base: a cycle less in either pass, a level more, the base (from
         exact stepping: the setting it was reached from, and the base). With `moves` the
         cycles may go below the base's and the levels above, and the next larger
-        coarsening and F-relaxation below the fine level are cheaper moves too."""
+        coarsening and F-relaxation below the fine level are cheaper moves too, and with
+        `moves.nested` a cycle less from a nested start, down to none."""
         s, base, moves = self.setting, self.base, self.moves
         if s.exact:
             return self._affordable([self.came_from or base, base])
@@ -247,6 +250,13 @@ class Policy:
             out.append(replace(s, backward=s.backward - 1))
         if s.forward > least[1]:
             out.append(replace(s, forward=s.forward - 1))
+        if moves is not None and moves.nested:
+            # a cycle less from a nested start, down to none (`hierarchy.valid` keeps the
+            # passes whose options start from zero)
+            if s.backward > 0:
+                out.append(replace(s, backward=s.backward - 1, nested_backward=True))
+            if s.forward > 0:
+                out.append(replace(s, forward=s.forward - 1, nested=True))
         if s.levels < most_levels:
             out.append(replace(s, levels=s.levels + 1))
         if moves is not None:
@@ -310,7 +320,8 @@ class Policy:
             why = "warm starts helped"
         elif (self.warm_trials and new == current and not current.exact
               and not current.warm and LOWER * self.threshold < error <= self.threshold
-              and self.since_trial > self.warm_wait):
+              and self.since_trial > self.warm_wait
+              and self._valid([replace(current, warm=True)])):
             self.trial = error
             new, why = replace(current, warm=True), "trying warm starts"
         if new != current:
