@@ -1,7 +1,7 @@
 """Trusting inexact gradients: serial training, fixed MGRIT cycles, exact stepping and the
 controller (`mgrit.nn.Controller`) side by side, and what warm starts do to the gradients.
 
-    python -m benchmarks.controller --json FILE [--cases deep,w3] [--no-threshold]
+    python -m benchmarks.controller --json FILE [--cases deep,w3] [--ranks P] [--no-threshold]
                                     [--overhead w1] [--warm w1,w2,w3,deep,w4]
 
 Training comparison, per case, the same seed, initial weights and data order for every
@@ -10,7 +10,11 @@ method, all in this process on one thread:
 - serial: the plain network with autograd;
 - fixed: layer-parallel with the case's MGRIT settings (2 forward, 1 backward cycle);
 - exact: layer-parallel with exact stepping (levels=1, one sequential sweep each way);
-- controller: the fixed settings with the default controller deciding from step 0.
+- controller: the fixed settings with the default controller deciding from step 0;
+- chosen: the settings `mgrit.nn.choose_settings` picks at the controller's default
+  threshold (cheapest by the calibrated cost model among those whose gradient error,
+  measured on the first training batch, is within it), kept for the whole run; the
+  choice's time counts as training time.
 
 Cases: "deep", a 1024-layer dense tanh ResNet on the digits at T = 8 with 5 levels, where
 2/1 cycles give gradients with relative errors of 1-2 (they train it to a clearly worse
@@ -48,10 +52,12 @@ from torch import nn
 from mgrit.app.data import batches, digits
 from mgrit.app.loop import evaluate, train_step
 from mgrit.core.config import Config
-from mgrit.nn import Controller, probe
+from mgrit.nn import Controller, choose_settings, probe
+from mgrit.nn.controller import THRESHOLD
 from mgrit.nn.blocks import ResNetSpec, dense_step
 from mgrit.nn.defaults import training_config
 
+from .training import hierarchy, hierarchy_label
 from .workloads import W3_SETTINGS, TrainingWorkload, w1_workload, w2_workload, w4_workload
 
 # The harmful case: deep, a large T (h = T/N = 1/128, coarse steps of up to 2 on the fifth
@@ -61,7 +67,7 @@ CASES: dict[str, dict[str, Any]] = {
                  batch_size=32, lr=0.05, seed=0),
     "w3": dict(W3_SETTINGS, t_final=1.0, levels=3, coarsening=4),
 }
-METHODS = ("serial", "fixed", "exact", "controller")
+METHODS = ("serial", "fixed", "exact", "controller", "chosen")
 # the threshold study: the deep network at T = 4, trained with fixed settings of growing
 # accuracy (forward cycles, backward cycles, levels; levels 1 is exact stepping)
 THRESHOLD_CASE = dict(CASES["deep"], t_final=4.0)
@@ -77,7 +83,8 @@ def network(case: dict[str, Any]) -> ResNetSpec:
                       case["t_final"])
 
 
-def train(name: str, method: str, epochs: int | None = None) -> dict[str, Any]:
+def train(name: str, method: str, epochs: int | None = None, ranks: int = 1
+          ) -> dict[str, Any]:
     """Train case `name` with `method`; the final test loss and accuracy, the training
     time (evaluations left out) and, for the controller, what it measured and did."""
     case = CASES[name]
@@ -95,12 +102,22 @@ def train(name: str, method: str, epochs: int | None = None) -> dict[str, Any]:
             forward=training_config("forward", case["levels"], case["coarsening"]),
             backward=training_config("backward", case["levels"], case["coarsening"]))
         if method == "controller":
-            controller = Controller(model)
+            controller = Controller(model, ranks=ranks)
     optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=0.9)
     generator = torch.Generator().manual_seed(case["seed"])
     loss_fn = nn.functional.cross_entropy
     cpu = wall = 0.0
     curve = []
+    chosen = None
+    if method == "chosen":
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        x0, y0 = next(iter(batches(split.x_train, split.y_train, case["batch_size"],
+                                   torch.Generator().manual_seed(case["seed"]))))
+        chosen = choose_settings(model, lambda: loss_fn(model(x0), y0), ranks=ranks,
+                                 threshold=THRESHOLD)
+        model.set_solvers(*chosen)
+        cpu += time.process_time() - cpu0
+        wall += time.perf_counter() - wall0
     for _ in range(epochs):
         model.train()
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -117,6 +134,10 @@ def train(name: str, method: str, epochs: int | None = None) -> dict[str, Any]:
               "test_losses": curve}
     if controller is not None:
         record.update(controller_record(controller))
+    if chosen is not None:
+        record["chosen"] = hierarchy_label(hierarchy(replace(case_workload(name),
+                                                             forward=chosen[0],
+                                                             backward=chosen[1])))
     return record
 
 
@@ -131,11 +152,12 @@ def controller_record(controller: Controller) -> dict[str, Any]:
             "final_setting": controller.setting.label, "decisions": controller.decisions}
 
 
-def compare(name: str, epochs: int | None = None) -> dict[str, Any]:
-    """Every method on case `name`, with the ratios the controller is judged by."""
+def compare(name: str, epochs: int | None = None, ranks: int = 1) -> dict[str, Any]:
+    """Every method on case `name`, with the ratios the controller is judged by; the
+    controller and the chosen settings priced for `ranks` ranks."""
     runs = {}
     for method in METHODS:
-        runs[method] = train(name, method, epochs)
+        runs[method] = train(name, method, epochs, ranks)
         print(f"  {name} {method}: test loss {runs[method]['test_loss']:.4f}, "
               f"{runs[method]['cpu_seconds']:.1f} s", file=sys.stderr, flush=True)
     serial, fixed, exact = runs["serial"], runs["fixed"], runs["exact"]
@@ -160,6 +182,8 @@ def table(name: str, runs: dict[str, Any]) -> str:
                      f"{r['test_accuracy'] * 100:.2f}% | {r['accuracy_vs_serial_pp']:+.2f} | "
                      f"{r['cpu_seconds']:.1f} | {r['cpu_vs_fixed']:.2f} | "
                      f"{r['cpu_vs_exact']:.2f} |")
+    if "chosen" in runs:
+        lines += ["", f"chosen: {runs['chosen']['chosen']}"]
     c = runs["controller"]
     moves = ", ".join(f"step {d['step']}: {d['from']} -> {d['to']}" for d in c["decisions"])
     lines += ["", f"controller: {c['probes']} probes ({c['probe_seconds']:.1f} s of its "
@@ -326,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="deep,w3", help="training comparisons to run "
                         f"({', '.join(CASES)}; empty: none)")
     parser.add_argument("--epochs", type=int, help="epochs of every case (default: its own)")
+    parser.add_argument("--ranks", type=int, default=1, help="price the controller's and the "
+                        "chosen settings for this many layer-parallel ranks (the training "
+                        "runs in one process either way: its arithmetic is the same on any "
+                        "number of ranks)")
     parser.add_argument("--no-threshold", action="store_true", help="leave out the "
                         "threshold study (fixed settings of growing accuracy at T = 4)")
     parser.add_argument("--overhead", default="w1", help="workloads whose steps are timed "
@@ -333,13 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", default="w1,w2,w3,deep,w4", help="warm-start studies to run "
                         f"({', '.join(WARM_STUDIES)}; empty: none)")
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error(f"--ranks must be at least 1, got {args.ranks}")
     torch.set_num_threads(1)
     result: dict[str, Any] = {"cases": {}, "overhead": {}, "warm": {}}
     for name in filter(None, args.cases.split(",")):
         if name not in CASES:
             parser.error(f"unknown case {name!r}; choose from {', '.join(CASES)}")
-        runs = compare(name, args.epochs)
-        result["cases"][name] = {"settings": CASES[name], "runs": runs}
+        runs = compare(name, args.epochs, args.ranks)
+        result["cases"][name] = {"settings": CASES[name], "ranks": args.ranks, "runs": runs}
         print(table(name, runs) + "\n", flush=True)
     if not args.no_threshold:
         result["threshold"] = threshold_study(epochs=args.epochs)
