@@ -18,7 +18,8 @@ method, all in this process on one thread:
 
 Cases: "deep", a 1024-layer dense tanh ResNet on the digits at T = 8 with 5 levels, where
 2/1 cycles give gradients with relative errors of 1-2 (they train it to a clearly worse
-network); and "w3", W3 itself (32 layers, 3 levels). Each run reports its final test loss
+network); "w3", W3 itself (32 layers, 3 levels); and "w2-digits", W2's network and
+hierarchy (1024 layers, T = 1, 4 levels) on the digits. Each run reports its final test loss
 and accuracy and its training time (process CPU time, which another job on the machine
 disturbs less than wall time, and wall time); the controller's time includes its probes.
 
@@ -66,6 +67,9 @@ CASES: dict[str, dict[str, Any]] = {
     "deep": dict(width=32, num_steps=1024, t_final=8.0, levels=5, coarsening=4, epochs=8,
                  batch_size=32, lr=0.05, seed=0),
     "w3": dict(W3_SETTINGS, t_final=1.0, levels=3, coarsening=4),
+    # W2's network (1024 dense tanh layers, width 32, T = 1) and hierarchy on the digits
+    "w2-digits": dict(width=32, num_steps=1024, t_final=1.0, levels=4, coarsening=4, epochs=8,
+                      batch_size=32, lr=0.05, seed=0),
 }
 METHODS = ("serial", "fixed", "exact", "controller", "chosen")
 # the threshold study: the deep network at T = 4, trained with fixed settings of growing
