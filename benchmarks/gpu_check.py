@@ -263,6 +263,11 @@ METHODS = [
     # graphs inside the captured step cannot nest: its own capture takes the whole step
     Method("mgrit captured step", mgrit_network(execution="batched"), mgrit_captured_step,
            exact=False),
+    # the cheapest kind of setting `choose_settings` picks on the CPU where the error
+    # allows: 2 levels, no cycle from nested starts (its update error is recorded beside it)
+    Method("mgrit captured step, no cycle", mgrit_network(
+        execution="batched", levels=2, coarsening=16, relax="F", min_coarse=1, max_iter=0,
+        initial_guess="nested"), mgrit_captured_step, exact=False),
 ]
 COMPILED = Method("torch.compile reduce-overhead", serial_network, compiled, exact=True)
 ALL_METHODS = METHODS + [COMPILED]
