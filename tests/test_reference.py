@@ -106,6 +106,18 @@ def test_no_cycle_from_a_nested_start_equals_the_independent_reference(name, lev
     assert not torch.allclose(res.states, exact.states, rtol=1e-9, atol=0.0)
 
 
+def test_no_cycle_on_layers_too_few_for_a_coarse_level_is_one_sweep():
+    """Where the layers give a single level (6 steps, min_coarse 4), no cycle is not no
+    work: the solve is sequential stepping's one sweep."""
+    u0 = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    cfg = mgrit.Config(levels=3, coarsening=8, relax="F", initial_guess="nested", tol=0.0,
+                       max_iter=0, min_coarse=4)
+    res = mgrit.solve(Dahlquist(-1.0), u0, 6, 0.0, 1.0, cfg)
+    exact = mgrit.solve(Dahlquist(-1.0), u0, 6, 0.0, 1.0,
+                        mgrit.Config(levels=1, max_iter=1, tol=0.0))
+    assert res.levels == 1 and torch.equal(res.states, exact.states)
+
+
 def test_no_cycle_needs_a_nested_start():
     for options in ({"initial_guess": "zero"}, {"levels": 1}, {"tol": 1e-6},
                     {"initial_guess": "warm"}):

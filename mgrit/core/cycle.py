@@ -314,7 +314,10 @@ class Solver:
             kind = DeviceHistory
         history = kind(self._residuals, cfg.tol, cfg.tol_kind == "relative",
                        cfg.divergence_factor, self._drain)
-        for iteration in range(cfg.max_iter):
+        # no cycle means the nested start F-relaxed once; where the layers gave a single
+        # level, there is no start to relax and the solve is its one sweep
+        cycles = cfg.max_iter if cfg.max_iter or multilevel else 1
+        for iteration in range(cycles):
             if iteration == 0 and multilevel:
                 f_relax(self.levels[0], self.executor)
             if iteration == 0 and history.relative:
