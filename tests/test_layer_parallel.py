@@ -393,11 +393,17 @@ def test_recorded_gradients_are_the_row_by_row_products_whatever_the_batches_lay
              ["slice", "index", "slice"], ["slice", "grid", "slice", "slice"]]
     batches = layouts[seed]
     dts = [0.25, 0.5, 0.75][:len(batches)] if seed == 5 else [0.375] * len(batches)
+    indices = None
     for _ in range(2):          # the second time the plan of the first is reused
         recorded = [(batch, {n: torch.randn(len(batch), *shapes[n], dtype=torch.float64,
                                             generator=g) for n in names}, dt)
                     for batch, dt in zip(batches, dts)]
         grads = gradients.layer_gradients(stack, recorded)
+        # an index goes to the states' device once, not at every pass (in a captured
+        # step that copy would be a host transfer)
+        kept = list(gradients._PLANS[stack]._indices.values())
+        assert indices is None or all(a is b for a, b in zip(kept, indices))
+        indices = kept
         for n in names:
             expected = torch.empty(16, *shapes[n], dtype=torch.float64)
             for batch, cotangents, dt in recorded:
@@ -405,6 +411,7 @@ def test_recorded_gradients_are_the_row_by_row_products_whatever_the_batches_lay
                     expected[layer] = dt * cotangents[n][i]
             assert torch.equal(grads[n], expected), (seed, n)
         assert [place[0] for place in gradients._PLANS[stack].places] == kinds[seed]
+        assert len(indices) == kinds[seed].count("index")
 
 
 def test_recorded_gradients_take_a_layers_later_entry_and_name_layers_never_reached():

@@ -86,7 +86,7 @@ class _Plan:
     rows are a strided view of the gradient where they can be (an indexed copy moves data
     several times slower than a strided one), else an index."""
 
-    __slots__ = ("batches", "once", "pieces", "_buffers")
+    __slots__ = ("batches", "once", "pieces", "_buffers", "_indices")
 
     def __init__(self, layers: LayerStack, batches: list[list[int]]) -> None:
         lo, count = layers.first, layers.count
@@ -105,6 +105,7 @@ class _Plan:
             for start, stop, place in _pieces(local):
                 self.pieces.append((k, start, stop, place))
         self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._indices: dict[tuple[int, torch.device], Tensor] = {}
 
     @property
     def places(self) -> list[tuple]:
@@ -118,6 +119,14 @@ class _Plan:
                 or buf.device != like.device):
             buf = self._buffers[(k, name)] = torch.empty_like(like)
         return buf
+
+    def index(self, k: int, index: Tensor, device: torch.device) -> Tensor:
+        """Piece k's row index on `device`, copied there once: a copy from the host at
+        every pass would be a host transfer inside a captured step."""
+        on = self._indices.get((k, device))
+        if on is None:
+            on = self._indices[(k, device)] = index.to(device)
+        return on
 
     def fits(self, batches: list[list[int]]) -> bool:
         return len(batches) == len(self.batches) and all(map(operator.is_, batches,
@@ -169,7 +178,7 @@ def layer_gradients(layers: LayerStack,
             else:
                 # scaled in a buffer kept with the plan: a fresh temporary the size of the
                 # batch's cotangents costs its first touch at every pass
-                grad.index_copy_(0, place[1].to(cot.device),
+                grad.index_copy_(0, plan.index(piece, place[1], cot.device),
                                  torch.mul(cot, dt, out=plan.buffer(piece, name, cot)))
     return grads
 
