@@ -48,7 +48,7 @@ from mgrit.nn.controller.probe import EXACT, probe_solves
 from ..scaling.cases import CURVES, fastest, setup, shared_model, traced_step
 from ..scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from ..scaling.validation import compare, network_from, ping_pong
-from ..scaling.virtual import fresh, predict
+from ..scaling.virtual import fresh, predict, work_traces
 from ..training import (build, hierarchy, hierarchy_label, sequential_variant, train_step_fn,
                         with_hierarchy)
 from ..workloads import TrainingWorkload
@@ -134,16 +134,28 @@ def _timed(step: Any, repeats: int, warmup: int, barrier: Any = None) -> list[fl
     return times
 
 
-def virtual(name: str, options: Options, ranks: int, network: Interconnect
-            ) -> dict[str, dict[str, Any]]:
-    """The virtual-rank predictions of a training step with `options`, "cold" (the ranks
-    taking turns on one core, each finding the others' data in cache: the conservative
-    bound) and "warm" (each rank's compute timed again alone, `benchmarks.studies.warm`:
-    the optimistic one), in this process (`virtual.fresh` gives a clean one)."""
+def virtual(name: str, options: Options, ranks: int, network: Interconnect, hot: bool
+            ) -> dict[str, Any]:
+    """The virtual-rank prediction of a training step with `options` in this process
+    (`virtual.fresh` gives a clean one): cold (the ranks taking turns on one core, each
+    finding the others' data in cache: the conservative bound) or, with `hot`, warm (each
+    rank's compute timed again alone, `benchmarks.studies.warm`: the optimistic one). The
+    cold traces come from a plain virtual run: the warm tool's run also keeps a copy of
+    every message received, and its cold W1-1024 step at 64 ranks read 120 ms where plain
+    virtual runs read 76-80 ms."""
     torch.set_num_threads(1)
     repeats, warmup = PLAN[name][:2]
-    cold, hot = warm.traces(work_of(name, options), ranks, repeats, warmup)
-    return {"cold": predict(cold, network), "warm": predict(hot, network)}
+    work = work_of(name, options)
+    traces = (warm.traces(work, ranks, repeats, warmup)[1] if hot else
+              work_traces(work, ranks, repeats, warmup))
+    return predict(traces, network)
+
+
+def _both(name: str, options: Options, ranks: int, network: Interconnect
+          ) -> dict[str, dict[str, Any]]:
+    """Cold and warm predictions, each from a fresh process."""
+    return {kind: fresh(virtual, name, options, ranks, network, kind == "warm")
+            for kind in ("cold", "warm")}
 
 
 def worker(name: str, options: Options, repeats: int) -> None:
@@ -215,9 +227,9 @@ def study(name: str, ranks: int, threshold: float) -> dict[str, Any]:
             network = network_from(records[2]["ping_pong"])
             cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, network.overhead)
         for p in (1, 2):
-            predicted[str(p)].append(fresh(virtual, name, options, p, network))
-        predicted[str(ranks)].append(fresh(virtual, name, options, ranks, cluster))
-        predicted["sequential"].append(fresh(virtual, name, sequential, 1, cluster))
+            predicted[str(p)].append(_both(name, options, p, network))
+        predicted[str(ranks)].append(_both(name, options, ranks, cluster))
+        predicted["sequential"].append(_both(name, sequential, 1, cluster))
         log.info("%s, round %d: measured on 1 rank %s; predicted at %d ranks %.2f ms", name,
                  round_, {k: round(v * 1e3, 2) for k, v in measured[-1].items()}, ranks,
                  predicted[str(ranks)][-1]["cold"]["seconds"] * 1e3)
