@@ -11,4 +11,6 @@ virtual ranks, cases and cluster network they reuse, is `benchmarks.scaling`.
     pathwork     layer evaluations on the critical path against sequential stepping's
     gathered     coarse levels gathered onto every rank (Config.agglomerate) against
                  rank-to-rank ones: hops and predicted times of a plain propagator
+    nested       W2 and W1-1024 at 64 ranks with the settings choose_settings picks
+                 (nested starts, fewer cycles) against sequential stepping, validated
 """
