@@ -287,7 +287,8 @@ def test_captured_step_on_several_ranks_gives_the_eager_steps_numbers(mpi, nproc
     """On 2 and 3 ranks (7 layers, unequal shares) every rank's losses, parameters and
     residual histories after 4 SGD-momentum and Adam steps are the eager step's to the
     bit, three of the steps run under the host-read guard, and training moved the
-    parameters (so equal parameters are no accident of a step that did nothing)."""
+    parameters (so equal parameters are no accident of a step that did nothing); a
+    controller of a captured step probes it on every rank alike."""
     run = mpi("capture.py", nprocs, timeout=300)
     assert run.returncode == 0, run.stderr
     for rank, rep in run.by_rank().items():
@@ -296,6 +297,10 @@ def test_captured_step_on_several_ranks_gives_the_eager_steps_numbers(mpi, nproc
             assert r["losses"] and r["params"] and r["histories"], (rank, name, r)
             assert r["guarded"] == 3 and r["cycles"] == [2, 2, 2, 2], (rank, name, r)
             assert r["moved"] > 1e-3, (rank, name, r)
+    # a controller watching the captured step probed it (collectively) and every rank
+    # measured and decided alike
+    controls = [rep["control"] for rep in run.by_rank().values()]
+    assert controls[0]["probes"] and all(c == controls[0] for c in controls)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -387,3 +392,91 @@ def test_a_transformer_stack_is_captured_with_the_eager_numbers():
     assert [step.step(x, y).item() for x, y in pairs] == losses
     assert all(torch.equal(a, b) for a, b in zip(eager, model.parameters()))
     assert not any(torch.equal(a, b) for a, b in zip(eager, make()[0].parameters()))
+
+
+# with the controller ------------------------------------------------------------------------
+
+CALIBRATION = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-5, 1e-7, 1e-6),
+                                              mgrit.nn.controller.Units(2e-5, 2e-7, 2e-6))
+
+
+def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
+    """The controller's probe after a (replayed) step measures the training setting's
+    gradient against the exact one at the updated weights: the error it records equals
+    the one computed here from a model built with the setting and loaded with those
+    weights against serial autograd through the exported network, on the step's batch."""
+    from benchmarks.training import gradient_agreement, gradient_pairs
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    # march steps priced high: exact stepping costs more than the setting, which stays
+    steady = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
+                                             mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
+    controller = mgrit.nn.Controller(model, calibration=steady, every=3, max_every=3,
+                                     warm_trials=False, hierarchies=False)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                        controller=controller)
+    step.graphs = True
+    step._capturer = capturer = _ReplayByRunning()
+    for k, (x, y) in enumerate(batches("dense", 7)):
+        trained = (model.forward_config, model.backward_config)
+        step.step(x, y)
+        if k in (0, 3):
+            again, _ = build("dense", 8, *trained)
+            again.load_state_dict(model.state_dict())
+            loss_fn(again(x), y).backward()
+            serial = model.to_serial()
+            loss_fn(serial(x), y).backward()
+            error = gradient_agreement(gradient_pairs(again, serial))["relative_error"]
+            assert error > 1e-6
+            assert controller.probes[-1]["error"] == pytest.approx(error, rel=1e-9)
+    assert [p["step"] for p in controller.probes] == [0, 3, 6]
+    assert not controller.decisions and controller.step == 7 and capturer.replays > 0
+
+
+class _ForcedOnce(mgrit.nn.Policy):
+    """Measures nothing and moves to `target` at the first probe."""
+
+    def __init__(self, base, target):
+        super().__init__(base, lambda s: 1.0, every=4, max_every=4, warm_trials=False)
+        self.target = target
+
+    def wanted(self, error):
+        return []
+
+    def decide(self, step, error, candidates, indicator=None):
+        self.last_probe, self.setting = step, self.target
+        return self.target, "forced"
+
+
+def test_a_controllers_change_is_captured_again_with_the_eager_numbers():
+    """A change the controller makes after step 0 is captured again from step 1 on, and
+    every step has the numbers of eager training that changes the same options there."""
+    target = mgrit.nn.Setting(3, 2, 3)
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    controller = mgrit.nn.Controller(
+        model, calibration=CALIBRATION,
+        policy=_ForcedOnce(mgrit.nn.Setting(2, 1, 3), target))
+    options = controller.configs(target)
+    losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 6, (1, options))
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                        controller=controller)
+    step.graphs = True
+    step._capturer = capturer = _ReplayByRunning()
+    for k, (x, y) in enumerate(batches("dense", 6)):
+        assert step.step(x, y).item() == losses[k]
+    assert (model.forward_config, model.backward_config) == options
+    assert [d["step"] for d in controller.decisions] == [0]
+    # step 0 warms up; after the change steps 1-2 warm up again, step 3 is captured (and
+    # replayed), 4 and 5 replay
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (3, 1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def test_a_controller_of_another_model_is_refused():
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    other, _ = build("dense", 8, FORWARD, BACKWARD)
+    with pytest.raises(ValueError, match="another model"):
+        CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                     controller=mgrit.nn.Controller(other))
+    with pytest.raises(TypeError, match="Controller"):
+        CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                     controller=object())

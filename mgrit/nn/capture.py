@@ -23,6 +23,7 @@ from torch import Tensor
 from ..core.device_history import check_norms
 from ..execute import CudaCapture
 from .capture_guard import HostSyncError, culprit, host_reads_forbidden
+from .controller.control import Controller
 from .layer_parallel import LayerParallel
 
 PASSES = ("forward", "backward")
@@ -50,16 +51,19 @@ class CapturedStep:
     On CUDA with one rank the third step is captured as one CUDA graph and every later step
     replays it; the first two run eagerly (the second under a guard that names any module
     reading a tensor on the host). Elsewhere (a CPU, several ranks, data-parallel replicas)
-    the same static-buffer step runs eagerly. `set_solvers` between steps (as
-    `mgrit.nn.Controller` does) is seen at the next step, which starts the stages again
-    with the new solvers; the controller's probes run eagerly, outside any graph. While a
+    the same static-buffer step runs eagerly. `set_solvers` between steps is seen at the
+    next step, which starts the stages again with the new solvers. With `controller` (a
+    `mgrit.nn.Controller` of the same model) every step ends with its `after_step`: its
+    probes run eagerly, outside any graph, at the updated weights, and a change of settings
+    is captured again at the next steps. While a
     CapturedStep holds the model its passes with gradients are captured solves; `close()`
     gives it back to eager training.
     """
 
     def __init__(self, model: LayerParallel, loss_fn: Callable[[Tensor, Tensor], Tensor],
                  optimizer: torch.optim.Optimizer, example_input: Tensor,
-                 example_target: Tensor, check: bool = True) -> None:
+                 example_target: Tensor, check: bool = True,
+                 controller: Controller | None = None) -> None:
         if not isinstance(model, LayerParallel):
             raise TypeError(f"model must be a mgrit.nn.LayerParallel, got "
                             f"{type(model).__name__}")
@@ -72,7 +76,15 @@ class CapturedStep:
                             ("example_target", example_target)):
             if not isinstance(value, Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+        if controller is not None:
+            if not isinstance(controller, Controller):
+                raise TypeError(f"controller must be a mgrit.nn.Controller, got "
+                                f"{type(controller).__name__}")
+            if controller.model is not model:
+                raise ValueError("the controller watches another model than this step's: "
+                                 "make it with Controller(model) for the same model")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.controller = controller
         self.check_each_step = bool(check)
         self.device = example_input.device
         # captured as one graph: a CUDA model on one rank without replicas, whose messages
@@ -85,6 +97,7 @@ class CapturedStep:
         self.inputs = (example_input.detach().clone(), example_target.detach().clone())
         self.loss: Tensor | None = None
         self._history: dict[str, Tensor] = {}
+        self._initial: dict[str, Any] = {}
         self._key: tuple | None = None
         self._stage = 0
         self._graph: Any = None
@@ -169,6 +182,13 @@ class CapturedStep:
         self.steps += 1
         if self.check_each_step:
             self.check()
+        if self.controller is not None:
+            # after the step, outside any graph: a probe, and a change of settings that
+            # the next step captures again
+            self.controller.after_step(
+                lambda: self.loss_fn(self.model(self.inputs[0]), self.inputs[1]),
+                {kind: {"residuals": self._history[kind],
+                        "initial_norm": self._initial[kind]} for kind in PASSES})
         return self.loss
 
     def _run(self) -> None:
@@ -185,7 +205,9 @@ class CapturedStep:
         else:
             self.loss.copy_(loss.detach())
         stats = self.model.stats
+        # static tensors of a captured step, which a replay writes again
         self._history = {kind: stats[kind]["residuals"] for kind in PASSES}
+        self._initial = {kind: stats[kind]["initial_norm"] for kind in PASSES}
 
     def _guarded_run(self) -> None:
         """`_run` under the host-read guard; a read is refused naming where it was made."""

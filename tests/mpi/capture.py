@@ -61,4 +61,17 @@ for name in ("sgd", "adam"):
                      "moved": max(float((a - b).abs().max()) for a, b in
                                   zip(pb, build("dense", 7, FORWARD, BACKWARD,
                                                  comm=world)[0].parameters()))}
-report({"size": world.size, "results": results})
+# with the controller: its probes after each captured step are collective, and every rank
+# measures and decides alike
+model, _ = build("dense", 7, FORWARD, BACKWARD, comm=world)
+units = mgrit.nn.controller.Units(1e-5, 1e-7, 1e-6)
+controller = mgrit.nn.Controller(model, calibration=mgrit.nn.controller.Calibration(units, units),
+                                 every=2, max_every=2)
+step = mgrit.nn.CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                             controller=controller)
+for k in range(STEPS):
+    step.step(*data("dense", 4, seed=k))
+control = {"probes": [[p["step"], p["setting"], p["error"]] for p in controller.probes],
+           "decisions": [[d["step"], d["from"], d["to"]] for d in controller.decisions],
+           "setting": controller.setting.label}
+report({"size": world.size, "results": results, "control": control})

@@ -23,9 +23,11 @@ from .policy import (EVERY, EXACT_SETTING, MAX_CYCLES, MAX_EVERY, THRESHOLD, Mov
 from .probe import probe_gradients
 
 def _relative_residual(stats: dict[str, Any]) -> float:
-    """The last residual of a solve relative to the norm of its given state."""
-    residuals, norm = stats.get("residuals") or [0.0], stats.get("initial_norm", 0.0)
-    return residuals[-1] / norm if norm > 0 else 0.0
+    """The last residual of a solve relative to the norm of its given state (read on the
+    host where a captured solve left them on the device)."""
+    residuals, norm = stats.get("residuals"), float(stats.get("initial_norm", 0.0))
+    last = float(residuals[-1]) if residuals is not None and len(residuals) else 0.0
+    return last / norm if norm > 0 else 0.0
 
 
 class Controller:
@@ -159,8 +161,23 @@ class Controller:
         """Record the step whose backward pass just ended and, where one is due, probe it
         and decide; `closure()` computes the step's loss again (the same batch through the
         model). Returns the step's record. Collective."""
+        return self._record(closure, self.model.stats, updated=False)
+
+    def after_step(self, closure: Callable[[], Tensor],
+                   stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`after_backward` for a step whose backward pass and optimizer update ran where
+        the controller could not look in between (`CapturedStep`, whose step is one CUDA
+        graph): call it after the step, with `closure` computing the step's loss again and
+        `stats` its passes' residuals (by default `model.stats`). A probe then computes the
+        training setting's gradient again beside the exact one, both at the updated
+        weights and from the setting's own start (a warm start counts as cold), and
+        compares the two; it runs eagerly, outside any graph. Collective."""
+        return self._record(closure, self.model.stats if stats is None else stats,
+                            updated=True)
+
+    def _record(self, closure: Callable[[], Tensor], stats: dict[str, Any],
+                updated: bool) -> dict[str, Any]:
         model, policy = self.model, self.policy
-        stats = model.stats
         indicator = sum(_relative_residual(stats[k]) for k in ("forward", "backward")
                         if k in stats)
         if model.comm.size > 1 or model.data_comm is not None:
@@ -174,20 +191,25 @@ class Controller:
                                   "backward_cycles": setting.backward,
                                   "levels": setting.levels, "estimate": estimate}
         if policy.due(self.step, estimate):
-            record["probe"] = self._probe(closure, indicator)
+            record["probe"] = self._probe(closure, indicator, updated)
         self.step += 1
         self.last = record
         model.stats["control"] = record
         return record
 
-    def _probe(self, closure: Callable[[], Tensor], indicator: float) -> dict[str, Any]:
+    def _probe(self, closure: Callable[[], Tensor], indicator: float,
+               updated: bool = False) -> dict[str, Any]:
         model, policy = self.model, self.policy
         start = time.perf_counter()
         current = policy.setting
         if self.batching is None and self.calibration is None:
             # once, at the first probe: the step's own batch on the network's own layers
             self.calibration = calibrate(model, closure, latency=self.latency)
-        trained = [p.grad for p in model.parameters() if p.requires_grad]
+        if updated and not current.exact:
+            # the weights moved since the training gradient: it is made again at these
+            trained, _, _ = probe_gradients(model, closure, *self.configs(current, cold=True))
+        else:
+            trained = [p.grad for p in model.parameters() if p.requires_grad]
         if current.exact:
             # the training gradient is the exact one
             reference = trained
