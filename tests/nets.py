@@ -183,3 +183,19 @@ def optimizer(name: str, model):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+class ForcedPolicy(mgrit.nn.Policy):
+    """A controller policy that measures nothing and moves to `target` at the first probe
+    (every `every` steps): a test's way to make the controller change the solvers."""
+
+    def __init__(self, base, target, every: int = 2):
+        super().__init__(base, lambda s: 1.0, every=every, max_every=every, warm_trials=False)
+        self.target = target
+
+    def wanted(self, error):
+        return []
+
+    def decide(self, step, error, candidates, indicator=None):
+        self.last_probe, self.setting = step, self.target
+        return self.target, "forced"

@@ -14,7 +14,7 @@ from mgrit.nn.capture import _check_optimizer
 from mgrit.nn.capture_guard import HostSyncError, host_reads_forbidden
 
 from cases import resnet_problem
-from nets import build, data, loss_fn, optimizer
+from nets import ForcedPolicy, build, data, loss_fn, optimizer
 
 FORWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
 BACKWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
@@ -432,20 +432,6 @@ def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
     assert not controller.decisions and controller.step == 7 and capturer.replays > 0
 
 
-class _ForcedOnce(mgrit.nn.Policy):
-    """Measures nothing and moves to `target` at the first probe."""
-
-    def __init__(self, base, target):
-        super().__init__(base, lambda s: 1.0, every=4, max_every=4, warm_trials=False)
-        self.target = target
-
-    def wanted(self, error):
-        return []
-
-    def decide(self, step, error, candidates, indicator=None):
-        self.last_probe, self.setting = step, self.target
-        return self.target, "forced"
-
 
 def test_a_controllers_change_is_captured_again_with_the_eager_numbers():
     """A change the controller makes after step 0 is captured again from step 1 on, and
@@ -454,7 +440,7 @@ def test_a_controllers_change_is_captured_again_with_the_eager_numbers():
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     controller = mgrit.nn.Controller(
         model, calibration=CALIBRATION,
-        policy=_ForcedOnce(mgrit.nn.Setting(2, 1, 3), target))
+        policy=ForcedPolicy(mgrit.nn.Setting(2, 1, 3), target, every=4))
     options = controller.configs(target)
     losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 6, (1, options))
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),

@@ -19,7 +19,7 @@ from mgrit.nn.controller import (EXACT_SETTING, Calibration, Moves, Terms, Units
 from mgrit.nn.controller.hierarchy import cheapest, configs_of, hierarchies, valid
 from mgrit.nn.defaults import training_config
 
-from nets import build, data
+from nets import ForcedPolicy, build, data
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results" / "work-settings.json"
@@ -311,20 +311,6 @@ def test_every_rank_calibrates_and_chooses_alike(mpi):
         assert reports[0][key] == reports[1][key], key
 
 
-class _Forced(Policy):
-    """Measures nothing and moves to `target` at the first probe."""
-
-    def __init__(self, base, target):
-        super().__init__(base, lambda s: 1.0, every=2, max_every=2, warm_trials=False)
-        self.target = target
-
-    def wanted(self, error):
-        return []
-
-    def decide(self, step, error, candidates, indicator=None):
-        self.last_probe, self.setting = step, self.target
-        return self.target, "forced"
-
 
 def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
     """A move to more levels than the user's, another coarsening and F below the fine level
@@ -336,7 +322,7 @@ def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
     x, y = data("dense", 6)
     loss_fn = torch.nn.functional.cross_entropy
     target = Setting(1, 1, 4, coarsening=2, coarse="F")
-    controller = Controller(model, policy=_Forced(Setting(2, 1, 3, coarsening=2,
+    controller = Controller(model, policy=ForcedPolicy(Setting(2, 1, 3, coarsening=2,
                                                           coarse="FCF"), target))
     loss_fn(model(x), y).backward()
     controller.after_backward(lambda: loss_fn(model(x), y))
