@@ -23,8 +23,8 @@ from ..layer_parallel import LayerParallel
 from .agreement import gradient_agreement
 from .calibrate import REPEATS, calibrate, closure_of
 from .cost import Calibration
-from .hierarchy import cheapest, configs_of, hierarchies
-from .policy import TARGET, Setting
+from .hierarchy import cheapest, configs_of, hierarchies, starts_from_zero
+from .policy import EXACT_SETTING, TARGET, Setting
 from .probe import EXACT, probe_solves
 
 # candidates measured at most, cheapest first, before exact stepping is taken
@@ -35,10 +35,6 @@ def _check(name: str, value: object, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     return value
-
-
-def _zero_start(config: Config) -> bool:
-    return isinstance(config.initial_guess, str) and config.initial_guess == "zero"
 
 
 def _passes(cycles: int, zero: bool) -> list[tuple[int, bool]]:
@@ -58,8 +54,8 @@ def candidates(base: Setting, forward: Config, backward: Config, num_steps: int,
     if not fewer_cycles:
         return hierarchies(base, forward, backward, num_steps, most_levels)
     out = []
-    for f, nested in _passes(base.forward, _zero_start(forward)):
-        for b, nested_backward in _passes(base.backward, _zero_start(backward)):
+    for f, nested in _passes(base.forward, starts_from_zero(forward)):
+        for b, nested_backward in _passes(base.backward, starts_from_zero(backward)):
             at = replace(base, forward=f, backward=b, nested=nested,
                          nested_backward=nested_backward)
             out += hierarchies(at, forward, backward, num_steps, most_levels)
@@ -124,5 +120,4 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
         error = gradient_agreement(model, gradients, exact)["overall"]["relative_error"]
         if error <= TARGET * threshold:
             return configs
-    return (replace(forward, levels=1, max_iter=1, tol=0.0, initial_guess="zero"),
-            replace(backward, levels=1, max_iter=1, tol=0.0, initial_guess="zero"))
+    return configs_of(EXACT_SETTING, forward, backward, levels)

@@ -17,7 +17,7 @@ from ..layer_parallel import LayerParallel
 from .agreement import GROUPS, gradient_agreement, mean_over_ranks
 from .calibrate import calibrate
 from .cost import LATENCY, Calibration, solve_cost, step_seconds
-from .hierarchy import configs_of, uniform, valid
+from .hierarchy import configs_of, starts_from_zero, uniform, valid
 from .policy import (EVERY, EXACT_SETTING, MAX_CYCLES, MAX_EVERY, THRESHOLD, Moves, Policy,
                      Setting)
 from .probe import probe_gradients
@@ -115,10 +115,9 @@ class Controller:
                             *(shape if hierarchies and shape is not None else ()))
         moves = None
         if hierarchies and shape is not None:
-            moves = Moves(self.base_levels + 1, nested=any(
-                isinstance(c.initial_guess, str) and c.initial_guess == "zero"
-                for c in (f, b)), valid=lambda s: valid(
-                s, f, b, self.base_levels, model.num_steps))
+            moves = Moves(self.base_levels + 1,
+                          nested=starts_from_zero(f) or starts_from_zero(b),
+                          valid=lambda s: valid(s, f, b, self.base_levels, model.num_steps))
         # a policy of one's own (another rule, or a test's) decides from the same numbers
         self.policy = policy if policy is not None else Policy(
             self.base, self.cost, threshold, every, max_every, max_cycles, warm_trials,

@@ -21,6 +21,16 @@ COARSENINGS = (2, 4, 8, 16)
 RELAXATIONS = ("F", "FCF")
 
 
+def _named(guess: object, kind: str) -> bool:
+    """Whether an initial guess (a name or a tensor) is the named kind."""
+    return isinstance(guess, str) and guess == kind
+
+
+def starts_from_zero(config: Config) -> bool:
+    """Whether `config` starts its solve from zero: the start a nested one may replace."""
+    return _named(config.initial_guess, "zero")
+
+
 def uniform(config: Config) -> tuple[int, str] | None:
     """(coarsening, relaxation below the fine level) of options that use one of each on
     every level, or None: only such hierarchies are changed by coarsening and relaxation
@@ -59,10 +69,9 @@ def configs_of(setting: Setting, forward: Config, backward: Config, base_levels:
             guess = base.initial_guess
             if setting.warm:
                 guess = "warm"
-            if cold and isinstance(guess, str) and guess == "warm":
+            if cold and _named(guess, "warm"):
                 guess = "zero"
-            if ((setting.nested, setting.nested_backward)[pass_]
-                    and isinstance(guess, str) and guess == "zero"):
+            if (setting.nested, setting.nested_backward)[pass_] and _named(guess, "zero"):
                 guess = "nested"
             # one replace: a Config of no cycles is valid only with its nested start
             cfg = replace(base, initial_guess=guess, **changes)
@@ -88,8 +97,7 @@ def valid(setting: Setting, forward: Config, backward: Config, base_levels: int,
     for cycles, nested, base in ((setting.forward, setting.nested, forward),
                                  (setting.backward, setting.nested_backward, backward)):
         # no cycle at all is a solve only from a nested start (`Config`)
-        if cycles == 0 and (setting.warm or not (nested and isinstance(base.initial_guess, str)
-                                                 and base.initial_guess == "zero")):
+        if cycles == 0 and (setting.warm or not (nested and starts_from_zero(base))):
             return False
     longest = max(coarsest_stride(c, num_steps) for c in (forward, backward))
     for cfg in configs_of(setting, forward, backward, base_levels):
