@@ -58,7 +58,7 @@ from mgrit.nn.controller import THRESHOLD
 from mgrit.nn.blocks import ResNetSpec, dense_step
 from mgrit.nn.defaults import training_config
 
-from .training import hierarchy, hierarchy_label
+from .training import hierarchy_label, hierarchy_of
 from .workloads import W3_SETTINGS, TrainingWorkload, w1_workload, w2_workload, w4_workload
 
 # The harmful case: deep, a large T (h = T/N = 1/128, coarse steps of up to 2 on the fifth
@@ -139,9 +139,7 @@ def train(name: str, method: str, epochs: int | None = None, ranks: int = 1
     if controller is not None:
         record.update(controller_record(controller))
     if chosen is not None:
-        record["chosen"] = hierarchy_label(hierarchy(replace(case_workload(name),
-                                                             forward=chosen[0],
-                                                             backward=chosen[1])))
+        record["chosen"] = hierarchy_label(hierarchy_of(*chosen))
     return record
 
 

@@ -162,13 +162,18 @@ def chosen_variant(work: TrainingWorkload, comm: Any = None) -> TrainingWorkload
 
 
 def hierarchy(work: TrainingWorkload) -> dict[str, dict[str, Any]]:
-    """The hierarchy options of a workload's two solves, as plain values (a tensor guess,
+    """The hierarchy options of a workload's two solves, as plain values."""
+    return hierarchy_of(work.forward, work.backward)
+
+
+def hierarchy_of(forward: Config, backward: Config) -> dict[str, dict[str, Any]]:
+    """The hierarchy options of two solves' options, as plain values (a tensor guess,
     which no chosen setting has, as its kind's name)."""
     def value(cfg: Config, key: str) -> Any:
         v = getattr(cfg, key)
         return "tensor" if isinstance(v, Tensor) else v
     return {kind: {key: value(cfg, key) for key in HIERARCHY_KEYS}
-            for kind, cfg in (("forward", work.forward), ("backward", work.backward))}
+            for kind, cfg in (("forward", forward), ("backward", backward))}
 
 
 def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
