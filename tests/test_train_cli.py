@@ -45,6 +45,7 @@ def test_settings_from_toml_yaml_and_overrides(tmp_path):
     ('[forward]\nrelax = "CF"\n', "[forward] relax='CF' is not valid"),
     ("[forward]\nlevles = 3\n", "unknown key 'levles' in [forward]; valid keys: levels"),
     ("[output]\ntrace = -1\n", "[output] trace must be >= 0"),
+    ("[control]\nbatching = -1\n", "[control] batching must be >= 0"),
 ])
 def test_bad_settings_are_named(tmp_path, content, words):
     path = tmp_path / "bad.toml"
@@ -184,7 +185,10 @@ def test_replay_of_a_file_that_is_no_trace_is_a_clear_error(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, ranks):
-    warm = ["--set", "forward.initial_guess=\"warm\"", "--set", "backward.initial_guess=\"warm\""]
+    # two runs price settings alike only on the fixed model: each run that measures its
+    # prices (the default) measures its own
+    warm = ["--set", "forward.initial_guess=\"warm\"", "--set", "backward.initial_guess=\"warm\"",
+            "--set", "control.batching=6"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     mgrit("train", *TINY, *warm, "--epochs", "3", "--out", str(whole), ranks=ranks)
     mgrit("train", *TINY, *warm, "--epochs", "2", "--out", str(split), ranks=ranks)
@@ -196,6 +200,25 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, ranks):
     ma = torch.load(whole / "model.pt", weights_only=False).state_dict()
     mb = torch.load(split / "model.pt", weights_only=False).state_dict()
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def _calibration(folder):
+    """The controller's measured prices in a run's latest checkpoint (rank 0's file)."""
+    checkpoint = folder / (folder / "latest").read_text().strip()
+    state = torch.load(next(checkpoint.glob("rank00000-*.pt")), weights_only=False)
+    return state["extra"]["control"]["calibration"]
+
+
+@pytest.mark.slow
+def test_controller_measures_its_prices_and_a_resumed_run_keeps_them(tmp_path):
+    measured, fixed = tmp_path / "measured", tmp_path / "fixed"
+    mgrit("train", *TINY, "--epochs", "2", "--out", str(measured))
+    kept = _calibration(measured)
+    assert kept is not None and kept["forward"] and kept["backward"]
+    mgrit("train", *TINY, "--epochs", "3", "--out", str(measured), "--resume")
+    assert _calibration(measured) == kept
+    mgrit("train", *TINY, "--epochs", "1", "--set", "control.batching=6", "--out", str(fixed))
+    assert _calibration(fixed) is None
 
 
 @pytest.mark.slow

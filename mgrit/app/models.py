@@ -126,7 +126,7 @@ class LayerParallelModel:
         if not control.enabled:
             return None
         return Controller(self.module, control.threshold, control.every, control.max_every,
-                          control.max_cycles, control.batching, control.warm)
+                          control.max_cycles, control.batching or None, control.warm)
 
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None

@@ -87,7 +87,9 @@ class ControlSettings:
     every: int = controller.EVERY   # steps between probes at first
     max_every: int = controller.MAX_EVERY     # ... and at most
     max_cycles: int = controller.MAX_CYCLES   # most cycles of either pass
-    batching: float = controller.BATCHING     # the cost model's batched-call gain
+    # the cost model's batched-call gain; 0: prices measured on the run's own layers and
+    # batch at the first probe (`mgrit.nn.calibrate`), kept in checkpoints
+    batching: float = 0.0
     warm: bool = True               # try warm starts; kept where they cut the error
 
 
@@ -194,9 +196,11 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must be >= 0 (0: one pass over the data), got {value}")
     if (section, key) == ("network", "dropout") and not 0 <= value < 1:
         raise SettingsError(f"{where} must lie in [0, 1), got {value}")
-    if (section, key) in (("control", "threshold"), ("control", "batching")) and \
-            not value > 0:
+    if (section, key) == ("control", "threshold") and not value > 0:
         raise SettingsError(f"{where} must be > 0, got {value}")
+    if (section, key) == ("control", "batching") and value < 0:
+        raise SettingsError(f"{where} must be >= 0 (0: prices measured on the run's own "
+                            f"layers), got {value}")
     return value
 
 
