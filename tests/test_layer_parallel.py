@@ -103,6 +103,19 @@ def test_inexact_training_with_data_parallelism_equals_one_process(mpi):
 
 
 @pytest.mark.mpi
+def test_a_model_converted_after_training_sends_its_ghost_layers_in_the_new_dtype(mpi):
+    """Coarse steps that start on another rank's layer use its copy, sent before every
+    forward pass from buffers made once: converted to float32 after a float64 step, the
+    model still agrees with the converted serial network."""
+    run = mpi("layer_parallel.py", 3, "converted", timeout=120)
+    assert run.returncode == 0, run.stderr
+    for rank, rep in run.by_rank().items():
+        r = rep["results"]
+        assert r["float64"]["params"] < 1e-10, (rank, r)
+        assert r["float32"]["output"] < 1e-5 and r["float32"]["param_grads"] < 1e-4, (rank, r)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_float32_gradients_are_as_accurate_as_serial_float32(mpi, nprocs):
     """float32 LayerParallel (exact stepping, and 3-level MGRIT run past convergence) for

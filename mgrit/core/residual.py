@@ -47,6 +47,8 @@ class Residuals:
         self._views: tuple[Tensor, Tensor] | None = None
         # the static buffers of a captured solve's device history (`mgrit.core.device_history`)
         self.device_norms: Any = None
+        # float64 buffers of `norms_and_final`'s reduction, by size
+        self._sums: dict[int, Tensor] = {}
 
     def forget(self) -> None:
         """A new solve begins: Phi of an earlier solve's states is stale."""
@@ -119,19 +121,28 @@ class Residuals:
         """`norms` and the state at t1 from the rank that holds it, in one reduction
         instead of a reduction and a broadcast: every other rank adds -0.0 to each of its
         values (in float64, which holds every float32 and float16 value exactly), which
-        leaves every value as it is, signed zeros included."""
+        leaves every value as it is, signed zeros included. The reduction's buffer is
+        kept per size: this runs at the end of every forward pass, on its critical path
+        (the rank that holds the state at t1 is the last to get there)."""
         count = len(local)
         shaped = torch.view_as_real(like) if like.is_complex() else like
-        buf = torch.full((count + shaped.numel(),), -0.0, dtype=torch.float64)
-        buf[:count] = torch.tensor(local, dtype=torch.float64)
+        size = count + shaped.numel()
+        buf = self._sums.get(size)
+        if buf is None:
+            buf = self._sums[size] = torch.empty(size, dtype=torch.float64)
+        values = buf.numpy()
+        values[:count] = local
         if self.comm.rank == self.final_owner:
             value = self.final_row()
-            buf[count:] = (torch.view_as_real(value) if value.is_complex() else value).reshape(-1)
+            buf[count:].copy_((torch.view_as_real(value) if value.is_complex()
+                               else value).reshape(-1))
+        else:
+            values[count:] = -0.0
         self.comm.allreduce_sum_(buf)
         final = torch.empty_like(like)
         (torch.view_as_real(final) if final.is_complex() else final).copy_(
             buf[count:].view(shaped.shape))
-        return [math.sqrt(x) for x in buf[:count].tolist()], final
+        return [math.sqrt(x) for x in values[:count].tolist()], final
 
     def broadcast_final(self, like: Tensor) -> Tensor:
         """The state at t1 on every rank, sent from the rank that holds it."""

@@ -84,6 +84,15 @@ elif mode == "float32":
     for kind, n in (("dense", 13), ("conv", 9), ("gelu", 13)):
         for label, config in (("exact", EXACT), ("converged", FLOAT32_CONVERGED)):
             results[f"{kind}-{label}"] = float32_errors(kind, n, config, comm=world)
+elif mode == "converted":
+    # trained a step in float64 (ghost layers sent in float64), then converted: the
+    # ghost layers' messages are made again for float32
+    x, y = data("dense", 4)
+    model, serial = build("dense", 16, FLOAT32_CONVERGED, FLOAT32_CONVERGED, comm=world)
+    results["float64"] = {"params": train(model, serial, x, y, 1)}
+    model.float()
+    serial.float()
+    results["float32"] = one_pass(model, serial, x.float(), y)
 elif mode == "inexact-data-parallel":
     layer_comm, data_comm = mgrit.split_world(world, 2)
     results["dense"] = inexact_training("dense", 13, 3, True, 3, comm=layer_comm,

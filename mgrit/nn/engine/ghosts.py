@@ -5,9 +5,11 @@ again before every forward pass, since the optimizer changes the layers in betwe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ...comm import Comm
+from ...comm import Comm, recv_init, send_init
 from ...core.grid import LevelGrid, coarse_layer_needs
 from .stack import LayerStack
 
@@ -47,19 +49,37 @@ class GhostExchange:
                       if owner == rank]
         self.recvs = [(tag, layer, owner) for tag, (r, layer, owner) in enumerate(needs)
                       if r == rank]
+        # (the layers' dtype and device, the messages made for them), made at first use
+        self._messages: tuple[tuple, tuple[list, list]] | None = None
 
     def refresh(self) -> None:
         """Copy the layers other ranks' coarse steps need to them (after every update)."""
-        comm = self.comm
-        requests, received = [], []
-        for tag, layer, owner in self.recvs:
-            dtype, device = placement(self.layers)
-            buf = torch.empty(self.layers.flat_size(), dtype=dtype, device=device)
-            requests.append(comm.irecv(buf, owner, tag))
-            received.append((layer, buf))
-        for tag, layer, dest in self.sends:
-            requests.append(comm.isend(self.layers.flatten_layer(layer).contiguous(), dest, tag))
-        for req in requests:
-            req.wait()
-        for layer, buf in received:
-            self.layers.set_ghost(layer, buf)
+        if not (self.sends or self.recvs):
+            return
+        where = placement(self.layers)
+        if self._messages is None or self._messages[0] != where:
+            self._messages = (where, self._prepare(*where))
+        _, (sends, recvs) = self._messages
+        started = [message.start() for _, _, message in recvs]
+        for layer, views, message in sends:
+            for k, source in self.layers.views(layer).items():
+                views[k].copy_(source)
+            started.append(message.start())
+        for request in started:
+            request.wait()
+        for layer, views, _ in recvs:
+            self.layers.set_ghost(layer, views)
+
+    def _prepare(self, dtype: torch.dtype, device: torch.device) -> tuple[list, list]:
+        """The exchange's messages, posted anew at every refresh from buffers made once:
+        (layer, the buffer's views by tensor name, persistent message) for the sends and
+        for the receives. Made again where the layers move to another dtype or device."""
+        comm, size = self.comm, self.layers.flat_size()
+
+        def messages(entries: list[tuple[int, int, int]], init: Any) -> list[tuple]:
+            out = []
+            for tag, layer, peer in entries:
+                buf = torch.zeros(size, dtype=dtype, device=device)
+                out.append((layer, self.layers.flat_views(buf), init(comm, buf, peer, tag)))
+            return out
+        return messages(self.sends, send_init), messages(self.recvs, recv_init)

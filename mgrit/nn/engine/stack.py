@@ -234,19 +234,16 @@ class LayerStack(nn.Module):
         return self._detached_key + tuple(t.data_ptr() for ghost in self.ghosts.values()
                                           for t in ghost.values())
 
-    def set_ghost(self, layer: int, flat: Tensor) -> None:
-        """Unpack a layer sent by its owner (see `flatten_layer`), in place if known."""
-        shapes = {k: v.shape[1:] for k, v in self.tensors().items()}
-        out, offset = {}, 0
-        for k, shape in shapes.items():
-            size = int(torch.Size(shape).numel())
-            out[k] = flat[offset: offset + size].view(shape)
-            offset += size
-        if layer in self.ghosts:
-            for k, value in out.items():
-                self.ghosts[layer][k].copy_(value)
+    def set_ghost(self, layer: int, values: dict[str, Tensor]) -> None:
+        """Take a layer sent by its owner (name -> tensor, `flat_views` of the message),
+        copied into its ghost tensors where it has them: they keep their storage, which
+        the compiled phases read."""
+        ghost = self.ghosts.get(layer)
+        if ghost is None:
+            self.ghosts[layer] = {k: v.clone() for k, v in values.items()}
         else:
-            self.ghosts[layer] = {k: v.clone() for k, v in out.items()}
+            for k, value in values.items():
+                ghost[k].copy_(value)
 
     def _apply(self, fn, recurse=True):
         """Conversions (.to, .double, ...) give the tensors new storage: drop cached views
@@ -284,11 +281,19 @@ class LayerStack(nn.Module):
         """Zero tensors of one layer's shapes and dtypes (for checking what f returns)."""
         return {k: v.new_zeros(v.shape[1:]) for k, v in self.tensors().items()}
 
-    def flatten_layer(self, layer: int) -> Tensor:
-        return torch.cat([t.detach().reshape(-1) for t in self.layer_tensors(layer).values()])
-
     def flat_size(self) -> int:
+        """Elements of one layer's tensors, end to end (a ghost layer's message)."""
         return sum(int(torch.Size(v.shape[1:]).numel()) for v in self.tensors().values())
+
+    def flat_views(self, flat: Tensor) -> dict[str, Tensor]:
+        """One layer's tensors as views of `flat` (`flat_size` elements), name by name."""
+        out, offset = {}, 0
+        for k, v in self.tensors().items():
+            shape = v.shape[1:]
+            size = int(torch.Size(shape).numel())
+            out[k] = flat[offset: offset + size].view(shape)
+            offset += size
+        return out
 
     # evaluation ----------------------------------------------------------------
     def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
