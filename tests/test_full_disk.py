@@ -116,3 +116,15 @@ def test_training_run_on_a_full_disk_keeps_its_checkpoint_and_resumes(tmp_path, 
     assert set(epochs) == {1}
     resumed.run()
     assert (out / "latest").read_text() == "checkpoint-0002"
+
+
+def test_metrics_on_a_full_disk_name_the_file(tmp_path):
+    out = tmp_path / "run"
+    run = Run(_settings(out, 1))
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(WriteError) as info:
+        run.run()
+    message = str(info.value)
+    assert str(out / "metrics.jsonl") in message and "ENOSPC" in message
+    assert "free some space" in message

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..nn.engine.atomic import WriteError, write_atomically
+from ..nn.engine.atomic import AppendedFile, WriteError, write_atomically
 from . import data as datasets
 from .collective import agreed, on_rank_zero
 from .data import batches
@@ -200,7 +200,7 @@ class Run:
         # a new run starts its own metrics; a resumed one continues them (cut back to the
         # checkpoint's epoch when it was loaded)
         mode = "a" if self.resuming else "w"
-        metrics = open(self.out / "metrics.jsonl", mode) if self.rank == 0 else None
+        metrics = AppendedFile(self.out / "metrics.jsonl", mode) if self.rank == 0 else None
         summary: dict[str, Any] = {}
         try:
             for epoch in range(self.start_epoch, t.epochs + 1):

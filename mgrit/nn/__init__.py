@@ -14,6 +14,7 @@ gradients, keyed random draws) lives in `engine`, which never imports these modu
 
 from .checkpoint import CheckpointError
 from .export import serial_state_dict
+from .engine.atomic import WriteError
 from .engine.randomness import Dropout, draws, layer_key
 from .layer_parallel import LayerParallel
 from .capture import CapturedStep, CaptureError
@@ -25,5 +26,5 @@ from .transformer import TransformerBlock
 __all__ = ["Calibration", "CaptureError", "CapturedStep", "CheckpointError", "Controller",
            "Dropout", "LayerParallel", "Policy", "ProbeResult", "ResidualNetwork",
            "ResidualStep", "Setting", "TransformerBlock", "calibrate", "choose_settings",
-           "draws", "gradient_agreement", "layer_key", "probe", "serial_resnet",
-           "serial_state_dict"]
+           "WriteError", "draws", "gradient_agreement", "layer_key", "probe",
+           "serial_resnet", "serial_state_dict"]

@@ -41,6 +41,34 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     return path
 
 
+class AppendedFile:
+    """A text file written line by line (a run's metrics), whose failed writes raise
+    `WriteError` naming the file and the reason: a buffered file's own error on a full
+    disk names neither, and comes at a flush or at the close."""
+
+    def __init__(self, path: str | os.PathLike, mode: str) -> None:
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, mode)
+        except OSError as err:
+            raise _write_error(self.path, err) from err
+
+    def _named(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except OSError as err:
+            raise _write_error(self.path, err) from err
+
+    def write(self, text: str) -> None:
+        self._named(lambda: self._file.write(text))
+
+    def flush(self) -> None:
+        self._named(self._file.flush)
+
+    def close(self) -> None:
+        self._named(self._file.close)
+
+
 def _write_error(path: Path, err: OSError) -> WriteError:
     code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
     reason = f"{err.strerror or err} ({code})" if code else f"{err.strerror or err}"
@@ -49,4 +77,4 @@ def _write_error(path: Path, err: OSError) -> WriteError:
     return WriteError(err.errno, f"{path} could not be written: {reason}{hint}", str(path))
 
 
-__all__ = ["WriteError", "write_atomically"]
+__all__ = ["AppendedFile", "WriteError", "write_atomically"]
