@@ -4,6 +4,7 @@ from .comm import split_world
 from .core.config import Config
 from .core.cycle import DivergenceError, Result, Solver, solve
 from .core.propagator import Propagator, Step, StepBatch, step_sequentially
+from .execute import hold_freed_memory
 from .nn import Controller, LayerParallel, ResidualStep, serial_resnet
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Solver",
     "Step",
     "StepBatch",
+    "hold_freed_memory",
     "serial_resnet",
     "solve",
     "split_world",

@@ -5,9 +5,10 @@ costs that do not shrink with a rank's layers (set-up of a pass, the checks, the
 autograd's start, the assembly of gradients) are the ones every rank pays at every rank
 count; this splits the step at the solver's own boundaries (solve, cycle, residual) and
 at the training step's (zero_grad, forward, loss, backward, update), and prints the median
-of each span over the timed steps.
+of each span over the timed steps, and the mean step with its page faults (docs/performance.md,
+"Host memory").
 
-    python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--json PATH]
+    python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--sequential] [--json PATH]
 
 Question: which costs of a rank's training step do not shrink with its layers?
 Answer: at 64 layers, the spans outside the forward cycles and the adjoint's solve (the
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import json
+import resource
 import statistics
 import time
 from dataclasses import replace
@@ -33,6 +35,7 @@ from mgrit.core.cycle import Solver
 from mgrit.nn import layer_parallel
 
 from ..scaling.cases import setup, shared_model
+from ..training import sequential_variant
 from ..workloads import TRAINING_WORKLOADS, w2
 
 # the solver's boundaries that split a step: (owner, method, label)
@@ -63,19 +66,26 @@ def _marked(marks: list[tuple[str, float]]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def measure(layers: int = 64, steps: int = 300, warmup: int = 50) -> dict[str, Any]:
+def measure(layers: int = 64, steps: int = 300, warmup: int = 50, sequential: bool = False
+            ) -> dict[str, Any]:
     """Medians (seconds) of the spans between consecutive marks of W2's training step with
-    `layers` layers on one rank, over `steps` steps after `warmup`."""
-    work = replace(TRAINING_WORKLOADS["w2"](), network=lambda: w2(num_steps=layers))
+    `layers` layers on one rank (MGRIT's reference setting, or sequential stepping), over
+    `steps` steps after `warmup`."""
+    work = TRAINING_WORKLOADS["w2"]()
+    if sequential:
+        work = sequential_variant(work)
+    work = replace(work, network=lambda: w2(num_steps=layers))
     net, built, x, y = setup(work)
     model = shared_model(work, net, built, None)
     optimizer = work.optimizer(model.parameters())
     marks: list[tuple[str, float]] = []
     spans: dict[str, list[float]] = {}
     totals = []
+    faults = 0
     with _marked(marks):
         for k in range(warmup + steps):
             marks.clear()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             marks.append(("step begins", time.perf_counter()))
             optimizer.zero_grad()
             marks.append(("gradients zeroed", time.perf_counter()))
@@ -89,12 +99,14 @@ def measure(layers: int = 64, steps: int = 300, warmup: int = 50) -> dict[str, A
             marks.append(("update done", time.perf_counter()))
             if k < warmup:
                 continue
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
             totals.append(marks[-1][1] - marks[0][1])
             for i in range(1, len(marks)):
                 key = f"{i:02d} {marks[i - 1][0]} -> {marks[i][0]}"
                 spans.setdefault(key, []).append(marks[i][1] - marks[i - 1][1])
-    return {"layers": layers, "steps": steps, "torch": torch.__version__,
-            "step": statistics.median(totals),
+    return {"layers": layers, "steps": steps, "sequential": sequential, "torch": torch.__version__,
+            "step": statistics.median(totals), "mean": statistics.mean(totals),
+            "faults": faults / steps,
             "spans": {key: statistics.median(v) for key, v in spans.items()}}
 
 
@@ -103,6 +115,8 @@ def table(result: dict[str, Any]) -> str:
     for key, seconds in result["spans"].items():
         lines.append(f"| {key[3:]} | {seconds * 1e6:.1f} |")
     lines.append(f"| whole step (median) | {result['step'] * 1e6:.1f} |")
+    lines.append(f"| whole step (mean; {result['faults']:.1f} page faults a step) | "
+                 f"{result['mean'] * 1e6:.1f} |")
     return "\n".join(lines)
 
 
@@ -112,10 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=64,
                         help="W2's layers on the one rank (1024 / ranks)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--sequential", action="store_true",
+                        help="sequential stepping (levels=1) instead of MGRIT's W2 setting")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    result = measure(args.layers, args.steps)
-    print(f"W2 with {args.layers} layers on one rank, torch {result['torch']}, median of "
+    result = measure(args.layers, args.steps, sequential=args.sequential)
+    how = "sequential stepping" if args.sequential else "MGRIT's reference setting"
+    print(f"W2 ({how}) with {args.layers} layers on one rank, torch {result['torch']}, median of "
           f"{args.steps} steps\n")
     print(table(result))
     if args.json:

@@ -22,6 +22,7 @@ from .data import TEXTS, DataError
 from .launch import LaunchError
 from . import interrupts
 from .settings import SettingsError, check, load, parse_override, resumed
+from ..execute.host_memory import hold_freed_memory
 
 # flag -> (section, key); each overrides the config file
 SHORTCUTS = {
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before the first tensor: steps keep their blocks instead of mapping them afresh, in
+    # this process and the ranks it launches (mgrit.execute.host_memory)
+    hold_freed_memory()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:

@@ -1,15 +1,18 @@
 """How independent work inside one rank runs: the intervals of a level advanced by a loop
-of single steps or by one batched call, and CUDA graphs of whole relaxation sweeps. The solver asks `make_executor` for the one that
-`Config.execution` names and never touches a device API itself."""
+of single steps or by one batched call, CUDA graphs of whole relaxation sweeps, and the host
+memory the process keeps between steps (`hold_freed_memory`). The solver asks
+`make_executor` for the one that `Config.execution` names and never touches a device API
+itself."""
 
 from __future__ import annotations
 
 from ..core.propagator import Capabilities
 from .executors import BatchedExecutor, Executor, LoopExecutor, write_result
 from .graphs import CudaCapture, SweepGraphs
+from .host_memory import hold_freed_memory
 
 __all__ = ["BatchedExecutor", "CudaCapture", "Executor", "LoopExecutor", "SweepGraphs",
-           "make_executor", "write_result"]
+           "hold_freed_memory", "make_executor", "write_result"]
 
 
 def make_executor(execution: str, caps: Capabilities, cuda_graphs: bool = False,
