@@ -20,8 +20,8 @@ virtual run in a fresh process.
 
 Question: with the chosen settings, does the model predict W1-1024 at 64 ranks at least 6x
 and W2 at least 2x faster than their own sequential stepping?
-Answer: W1-1024 yes, 12.0x cold and 11.5x warm (2 levels, m = 16, no cycle from nested
-starts; gradient error 0.126); W2 no, 0.54-0.71x (3 levels, m = 8, 1/1 cycles; 0.081): a
+Answer: W1-1024 yes, 10.0-12.0x cold or warm over two runs (2 levels, m = 16, no cycle from
+nested starts; gradient error 0.126); W2 no, 0.47-0.86x (3 levels, m = 8, 1/1 cycles; 0.081): a
 rank's busy time alone exceeds half of sequential stepping's. Validated within 15% on 1 and 2
 ranks. Results: docs/results/nested-64.json; docs/scaling.md, "Chosen settings at 64 ranks".
 """
