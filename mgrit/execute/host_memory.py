@@ -4,15 +4,14 @@ glibc's malloc serves a request of at least its mmap threshold (128 KiB at first
 as such blocks are freed) with a fresh mapping, and trims the top of its heap once more than
 twice that is free. A training step allocates and frees the same few blocks every time (a
 1024-layer W2 step: state stacks of 128 KiB and more), so in some processes every step
-maps, trims and faults the same pages in again: 70-145 minor page faults a step, a quarter
-more time on average than a process that keeps them (docs/performance.md, "Host memory").
-Which process is hit depends on the order of its first allocations, so two runs of one
-command can differ by that much.
+maps, trims and faults the same pages in again (measured in docs/performance.md, "Host
+memory"). Which process is hit depends on the order of its first allocations, so two runs
+of one command differ without a change between them.
 
 `hold_freed_memory` fixes both thresholds, in this process and, through the environment,
 in every process it launches: freed blocks up to 32 MiB stay in the heap and the heap is
 trimmed past 256 MiB free. Both are needed: either one alone turns glibc's dynamic
-threshold off at 128 KiB and makes every step map its states afresh (about 1000 faults).
+threshold off at 128 KiB and makes every step map its states afresh.
 """
 
 from __future__ import annotations
