@@ -1,5 +1,6 @@
-"""The phase split of one rank's training step (benchmarks.studies.fixed): its spans follow
-the step's boundaries in order and add up to the step, and the library is left unwrapped."""
+"""The phase split of a rank's training step (benchmarks.studies.fixed): its spans follow
+the step's boundaries in order and add up to the step, the library is left unwrapped, and
+under MPI every rank reports a column of the same spans."""
 
 import pytest
 
@@ -26,3 +27,47 @@ def test_spans_follow_the_step_and_add_up_to_it():
     assert sum(result["spans"].values()) == pytest.approx(result["step"], rel=0.5)
     assert "| whole step (median) |" in fixed.table(result)
     assert Solver._solve is originals[0] and layer_parallel.layer_gradients is originals[-1]
+
+
+def fine_labels(result):
+    return [key[3:] for key in result["spans"]]
+
+
+def test_the_nested_setting_splits_at_the_fine_boundaries():
+    originals = [getattr(owner, name) for owner, name, _ in fixed.BOUNDARIES + fixed.FINE]
+    result = fixed.measure(layers=64, steps=3, warmup=1, nested=True, fine=True)
+    assert [getattr(owner, name) for owner, name, _ in fixed.BOUNDARIES + fixed.FINE] == originals
+    labels = fine_labels(result)
+    # no cycle: one nested start, one F-relaxation and one residual a pass, both passes
+    # reduced at their end (tol = 0 over several levels)
+    assert sum(label == "nested begins -> nested ends" for label in labels) == 2
+    assert sum(label == "F-relaxation begins -> F-relaxation ends" for label in labels) == 2
+    assert sum(label == "reduction begins -> reduction ends" for label in labels) == 2
+    assert not any("cycle" in label for label in labels)
+    assert labels.index("check begins -> check ends") < labels.index(
+        "nested begins -> nested ends")
+    assert sum(result["spans"].values()) == pytest.approx(result["step"], rel=0.5)
+
+
+def test_the_sequential_setting_has_no_nested_start_and_settings_exclude_each_other():
+    labels = fine_labels(fixed.measure(layers=64, steps=2, warmup=1, sequential=True,
+                                       fine=True))
+    assert "check begins -> check ends" in labels
+    assert not any("nested" in label or "F-relaxation" in label for label in labels)
+    with pytest.raises(ValueError, match="choose one"):
+        fixed.measure(layers=64, steps=1, warmup=0, sequential=True, nested=True)
+
+
+@pytest.mark.mpi
+def test_two_ranks_report_a_column_each(mpi):
+    run = mpi("fixed_split.py", 2, timeout=240)
+    assert run.returncode == 0, run.stderr
+    reports = run.reports()
+    assert [r["ranks"] for r in reports] == [2, 2]
+    # the same program on both ranks: the same spans, each with its own times
+    assert list(reports[0]["spans"]) == list(reports[1]["spans"])
+    assert reports[0]["columns"] == 2
+    table = reports[0]["table"].splitlines()
+    assert table[0] == "| span | rank 0 (us) | rank 1 (us) |"
+    assert all(line.count("|") == 4 for line in table)
+    assert any(line.startswith("| nested begins -> nested ends |") for line in table)

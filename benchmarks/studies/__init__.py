@@ -3,7 +3,8 @@ its own (`python -m benchmarks.studies.NAME`); every module's docstring says the
 answered, its command and where its result is recorded. The scaling study proper, whose
 virtual ranks, cases and cluster network they reuse, is `benchmarks.scaling`.
 
-    fixed        the costs of one rank's step that do not shrink with its layers
+    fixed        the costs of one rank's step that do not shrink with its layers, and what
+                 a 2-rank step adds to sequential stepping's
     hierarchies  W2's step at 64 ranks with other MGRIT hierarchies (used by levels, pathwork)
     hops         the critical path's cost per hop, and its arithmetic floor
     levels       the critical path's compute and hops by multigrid level and pass

@@ -8,13 +8,26 @@ at the training step's (zero_grad, forward, loss, backward, update), and prints 
 of each span over the timed steps, and the mean step with its page faults (docs/performance.md,
 "Host memory").
 
-    python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--sequential] [--json PATH]
+    python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--sequential | --nested]
+                                       [--fine] [--json PATH]
+    mpiexec -n 2 python -m mpi4py -m benchmarks.studies.fixed --layers 1024 --nested --fine
 
-Question: which costs of a rank's training step do not shrink with its layers?
+Under mpiexec the network's layers are spread over the ranks, every step starts after a
+barrier, and the table has a column per rank: where a 2-rank step of the setting
+`mgrit bench` chooses for W2 on 2 ranks (`--nested`: 2 levels, m = 16, no cycle from nested
+starts) spends what sequential stepping on one rank does not (docs/performance.md, "Two
+ranks against sequential stepping"). `--fine` adds the boundaries inside a pass (the input
+check, the ghost layers' exchange, the nested start, F-relaxation, the final reduction).
+
+Question: which costs of a rank's training step do not shrink with its layers, and which
+does a 2-rank step add to sequential stepping's?
 Answer: at 64 layers, the spans outside the forward cycles and the adjoint's solve (the
 passes' set-up, the checks, the loss, autograd's start, gradient assembly, the update) are
-484 of the step's 831 us. Result: the table in docs/performance.md, "A step's fixed costs"
-(recorded there only).
+313 of the step's 540 us. On 2 ranks the nested setting saves about 240 us of arithmetic a
+rank and adds about 210 (the input check's agreement, the ghost layer, the nested starts'
+rank-to-rank sweeps, the residuals and final reductions): parity with sequential stepping.
+Results: docs/performance.md, "A step's fixed costs" and "Two ranks against sequential
+stepping" (recorded there only).
 """
 
 from __future__ import annotations
@@ -31,8 +44,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from mgrit.comm.mpi import MPIComm
+from mgrit.core import cycle
 from mgrit.core.cycle import Solver
+from mgrit.core.residual import DeferredHistory
 from mgrit.nn import layer_parallel
+from mgrit.nn.engine.ghosts import GhostExchange
 
 from ..scaling.cases import setup, shared_model
 from ..training import sequential_variant
@@ -42,13 +59,20 @@ from ..workloads import TRAINING_WORKLOADS, w2
 BOUNDARIES = ((Solver, "_solve", "solve"), (Solver, "_run_cycle", "cycle"),
               (Solver, "_local_residual", "residual"),
               (layer_parallel, "layer_gradients", "gradients"))
+# with --fine, also the boundaries inside a pass
+FINE = ((layer_parallel, "check_inputs", "check"), (GhostExchange, "refresh", "ghosts"),
+        (Solver, "_nested", "nested"), (cycle, "f_relax", "F-relaxation"),
+        (DeferredHistory, "finish", "reduction"))
+# the setting `mgrit bench w2 --ranks 1,2` chose for W2 on 2 ranks (docs/results.md)
+NESTED = dict(levels=2, coarsening=16, max_iter=0, initial_guess="nested", tol=0.0)
 
 
 @contextlib.contextmanager
-def _marked(marks: list[tuple[str, float]]) -> Iterator[None]:
+def _marked(marks: list[tuple[str, float]], boundaries: tuple = BOUNDARIES
+            ) -> Iterator[None]:
     """Each boundary's entry and exit appended to `marks` (label, time) while entered."""
     saved = []
-    for owner, name, label in BOUNDARIES:
+    for owner, name, label in boundaries:
         original = getattr(owner, name)
         saved.append((owner, name, original))
 
@@ -66,24 +90,44 @@ def _marked(marks: list[tuple[str, float]]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def measure(layers: int = 64, steps: int = 300, warmup: int = 50, sequential: bool = False
-            ) -> dict[str, Any]:
-    """Medians (seconds) of the spans between consecutive marks of W2's training step with
-    `layers` layers on one rank (MGRIT's reference setting, or sequential stepping), over
-    `steps` steps after `warmup`."""
+def _workload(layers: int, sequential: bool, nested: bool) -> Any:
+    """W2 with `layers` layers and the chosen setting (MGRIT's reference one by default)."""
     work = TRAINING_WORKLOADS["w2"]()
     if sequential:
         work = sequential_variant(work)
-    work = replace(work, network=lambda: w2(num_steps=layers))
+    elif nested:
+        work = replace(work, forward=replace(work.forward, **NESTED),
+                       backward=replace(work.backward, **NESTED))
+    return replace(work, network=lambda: w2(num_steps=layers))
+
+
+def measure(layers: int = 64, steps: int = 300, warmup: int = 50, sequential: bool = False,
+            nested: bool = False, fine: bool = False, comm: Any = None) -> dict[str, Any]:
+    """Medians (seconds) of the spans between consecutive marks of W2's training step with
+    `layers` layers (MGRIT's reference setting, the nested setting, or sequential stepping)
+    on the ranks of the mpi4py communicator `comm` (this process alone if None), over
+    `steps` steps after `warmup`: this rank's, and on rank 0 of several every rank's in
+    `ranks`."""
+    if sequential and nested:
+        raise ValueError("sequential and nested are two different settings: choose one")
+    # one thread, as `mgrit bench` and the ranks of an MPI launch: torch would otherwise
+    # spread the gradient assembly and the update over every core of the machine
+    torch.set_num_threads(1)
+    size = 1 if comm is None else comm.Get_size()
+    work = _workload(layers, sequential, nested)
     net, built, x, y = setup(work)
-    model = shared_model(work, net, built, None)
+    model = shared_model(work, net, built, None if size == 1 else MPIComm(comm))
     optimizer = work.optimizer(model.parameters())
     marks: list[tuple[str, float]] = []
     spans: dict[str, list[float]] = {}
     totals = []
     faults = 0
-    with _marked(marks):
+    with _marked(marks, BOUNDARIES + FINE if fine else BOUNDARIES):
         for k in range(warmup + steps):
+            if size > 1:
+                # every rank starts the step together: a span then holds this rank's own
+                # waits, not the previous step's
+                comm.Barrier()
             marks.clear()
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             marks.append(("step begins", time.perf_counter()))
@@ -104,19 +148,32 @@ def measure(layers: int = 64, steps: int = 300, warmup: int = 50, sequential: bo
             for i in range(1, len(marks)):
                 key = f"{i:02d} {marks[i - 1][0]} -> {marks[i][0]}"
                 spans.setdefault(key, []).append(marks[i][1] - marks[i - 1][1])
-    return {"layers": layers, "steps": steps, "sequential": sequential, "torch": torch.__version__,
-            "step": statistics.median(totals), "mean": statistics.mean(totals),
-            "faults": faults / steps,
-            "spans": {key: statistics.median(v) for key, v in spans.items()}}
+    result = {"layers": layers, "steps": steps, "sequential": sequential, "nested": nested,
+              "ranks": size, "torch": torch.__version__,
+              "step": statistics.median(totals), "mean": statistics.mean(totals),
+              "faults": faults / steps,
+              "spans": {key: statistics.median(v) for key, v in spans.items()}}
+    if size > 1:
+        mine = {key: result[key] for key in ("step", "mean", "faults", "spans")}
+        result["ranks_spans"] = comm.gather(mine, root=0)
+    return result
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| span | median (us) |", "| --- | ---: |"]
-    for key, seconds in result["spans"].items():
-        lines.append(f"| {key[3:]} | {seconds * 1e6:.1f} |")
-    lines.append(f"| whole step (median) | {result['step'] * 1e6:.1f} |")
-    lines.append(f"| whole step (mean; {result['faults']:.1f} page faults a step) | "
-                 f"{result['mean'] * 1e6:.1f} |")
+    """The spans' medians in microseconds, a column per rank (one: this process's)."""
+    columns = result.get("ranks_spans") or [result]
+    head = " | ".join(f"rank {r} (us)" for r in range(len(columns)))
+    lines = [f"| span | {head} |", "| --- |" + " ---: |" * len(columns)]
+    for key in result["spans"]:
+        # ranks mark alike (the same program on every rank); a span one lacks shows as -
+        cells = " | ".join(f"{c['spans'][key] * 1e6:.1f}" if key in c["spans"] else "-"
+                           for c in columns)
+        lines.append(f"| {key[3:]} | {cells} |")
+    lines.append("| whole step (median) | "
+                 + " | ".join(f"{c['step'] * 1e6:.1f}" for c in columns) + " |")
+    lines.append("| whole step (mean; page faults a step) | "
+                 + " | ".join(f"{c['mean'] * 1e6:.1f} ({c['faults']:.1f})" for c in columns)
+                 + " |")
     return "\n".join(lines)
 
 
@@ -124,16 +181,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.fixed",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64,
-                        help="W2's layers on the one rank (1024 / ranks)")
+                        help="W2's layers, over all ranks (1024 / ranks on one rank)")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--sequential", action="store_true",
-                        help="sequential stepping (levels=1) instead of MGRIT's W2 setting")
-    parser.add_argument("--json", help="also write the result here")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--sequential", action="store_true",
+                     help="sequential stepping (levels=1) instead of MGRIT's W2 setting")
+    how.add_argument("--nested", action="store_true",
+                     help="the setting chosen for W2 on 2 ranks: 2 levels, m = 16, no cycle "
+                          "from nested starts")
+    parser.add_argument("--fine", action="store_true",
+                        help="also split each pass at its input check, ghost exchange, nested "
+                             "start, F-relaxation and final reduction")
+    parser.add_argument("--json", help="also write the result here (rank 0)")
     args = parser.parse_args(argv)
-    result = measure(args.layers, args.steps, sequential=args.sequential)
-    how = "sequential stepping" if args.sequential else "MGRIT's reference setting"
-    print(f"W2 ({how}) with {args.layers} layers on one rank, torch {result['torch']}, median of "
-          f"{args.steps} steps\n")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    result = measure(args.layers, args.steps, sequential=args.sequential, nested=args.nested,
+                     fine=args.fine, comm=comm)
+    if comm is not None and comm.Get_rank() != 0:
+        return
+    how = ("sequential stepping" if args.sequential else
+           "the nested setting" if args.nested else "MGRIT's reference setting")
+    print(f"W2 ({how}) with {args.layers} layers on {result['ranks']} rank(s), torch "
+          f"{result['torch']}, median of {args.steps} steps\n")
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:
