@@ -10,6 +10,16 @@ sum-reduction (ceil(log2 P) hops), and every rank runs the cycle of levels a.. b
 on copies of those levels that hold all their points. The rank then takes its own points
 of level a back and the cycle goes on as before.
 
+A nested start (`Gathered.nested`) needs no reduction at all: it reads nothing but u0,
+which every rank holds, so every rank marches the coarsest copy from it and injects level
+by level on the copies.
+
+A propagator whose steps read data only their own rank holds (`local_steps`) takes part
+where it can fetch that data (`gather_steps(grids, comm)`, called once with the gathered
+levels' grids): a layer-parallel network's propagators bring the layers, and the adjoint's
+the forward states, of those steps to every rank before each solve
+(`mgrit.nn.engine.fetch`).
+
 Every rank solving the gathered levels (rather than one rank, which would then scatter the
 result) costs a collective less on the path: a scatter would be another ceil(log2 P) hops,
 and the sequential work of the gathered levels is on the path either way.
@@ -32,6 +42,7 @@ from ..comm import Comm, SerialComm
 from ..execute import Executor
 from .grid import LevelGrid, LocalLevel
 from .level import Level
+from .relax import sweep
 from .residual import Residuals
 from .transfer import Operations
 
@@ -73,6 +84,7 @@ class Gathered:
                  residuals: Residuals, comm: Comm) -> None:
         self.first = first
         self.comm = comm
+        self.executor = executor
         t0, h = levels[0].t0, levels[0].h
         whole: list[Level | None] = [None] * first
         for level in levels[first:]:
@@ -127,5 +139,22 @@ class Gathered:
         for rows, dest in self.unpack:
             dest.copy_(rows)
         cycle(self.ops, self.first, kind, True)
+        if not self.own.empty:
+            self.own_u.copy_(self.whole_u)
+
+    def nested(self, u0: Tensor, cycle: Callable[[Operations, int, str, bool], None]) -> None:
+        """The nested start of levels a.. on the copies, as the solver's own is made on its
+        levels: the coarsest level marched from u0, then each level's C-points injected
+        from the one below and a V-cycle run on it; then the rank's own points of level a
+        taken back. No reduction: the start reads nothing but u0, which every rank holds."""
+        whole = self.ops.levels
+        for level in whole[self.first:]:
+            level.u.zero_()
+            level.g.zero_()
+            level.u[level.row(0)].copy_(u0)
+        sweep(whole[-1], self.executor)
+        for l in range(len(whole) - 2, self.first - 1, -1):
+            self.ops.update_c_points(l, correct=False)
+            cycle(self.ops, l, "V", True)
         if not self.own.empty:
             self.own_u.copy_(self.whole_u)

@@ -73,8 +73,11 @@ class Config:
                     executor. No effect on a CPU.
     agglomerate:    solve the coarse levels with at most this many steps per rank on every
                     rank, after one reduction that brings them their right-hand side, in
-                    place of passing them from rank to rank (`mgrit.core.agglomerate`);
-                    0 (the default): never. Same results to the bit; on one rank no effect
+                    place of passing them from rank to rank (`mgrit.core.agglomerate`;
+                    a nested start needs no reduction); 0 (the default): never. Same
+                    results to the bit; on one rank no effect. A layer-parallel network
+                    fetches the layers (and the adjoint the forward states) those levels'
+                    steps read at every pass
     """
 
     levels: int = 2

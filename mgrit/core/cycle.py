@@ -91,12 +91,12 @@ class Solver:
         if t1 == t0:
             raise ValueError(f"t1 must differ from t0, both are {t0}")
         caps = Capabilities.of(prop)
-        if config.agglomerate and caps.local_steps:
+        if config.agglomerate and caps.local_steps and caps.gather_steps is None:
             raise ValueError(
                 f"Config(agglomerate={config.agglomerate}) solves coarse levels on every "
                 f"rank, but the steps of {type(prop).__name__} read data only their own rank "
-                "holds (its local_steps is True; a layer-parallel network's layers and forward "
-                "states): use agglomerate=0 with it")
+                "holds (its local_steps is True) and it cannot fetch it (it has no "
+                "gather_steps(grids, comm)): use agglomerate=0 with it")
         if final_sweep is not None and not callable(final_sweep):
             raise TypeError(f"final_sweep must be callable, got {type(final_sweep).__name__}")
         if not isinstance(like, Tensor):
@@ -140,6 +140,9 @@ class Solver:
         self._gathered = (None if first is None else
                           Gathered(self.levels, first, like, self.executor, self._residuals,
                                    self.comm))
+        if self._gathered is not None and caps.gather_steps is not None:
+            caps.gather_steps([level.grid for level in self._gathered.ops.levels[first:]],
+                              self.comm)
         # cycles recorded and replayed (`mgrit.core.schedule`) where every phase may be one
         # compiled call
         self._replays = Replays(self.levels,
@@ -224,11 +227,19 @@ class Solver:
         if l > 0 and kind == "F":
             self._cycle(ops, l, "V", False)
 
-    def _nested(self) -> None:
-        """Solve the coarsest level, then inject level by level with one V-cycle each."""
+    def _nested(self, u0: Tensor) -> None:
+        """Solve the coarsest level, then inject level by level with one V-cycle each; the
+        gathered levels (`Config.agglomerate`) on every rank's copies of them, which need no
+        message but the rank's own u0."""
         ops = self._ops
-        sweep(self.levels[-1], self.executor)
-        for l in range(len(self.levels) - 2, -1, -1):
+        gathered = self._gathered
+        if gathered is None:
+            sweep(self.levels[-1], self.executor)
+            below = len(self.levels) - 2
+        else:
+            gathered.nested(u0, self._cycle)
+            below = gathered.first - 1
+        for l in range(below, -1, -1):
             ops.update_c_points(l, correct=False)
             if l > 0:
                 self._cycle(ops, l, "V", True)
@@ -306,7 +317,7 @@ class Solver:
         self._initialize(u0, cfg.initial_guess)
         multilevel = len(self.levels) > 1
         if cfg.initial_guess == "nested" and multilevel:
-            self._nested()
+            self._nested(u0)
         # with tol = 0 a multilevel solve runs all its cycles whatever the residuals are:
         # their norms are reduced once, at the end (`DeferredHistory`)
         kind = DeferredHistory if cfg.tol == 0.0 and multilevel else History

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -153,6 +153,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "graph_key": (),
     "step_program": ("steps", "rows", "parallel"),
     "program_key": ("level", "parallel"),
+    "gather_steps": ("grids", "comm"),
 }
 
 
@@ -168,9 +169,14 @@ class Capabilities:
     graph_key: Callable[[], Hashable | None] | None = None
     step_program: Callable[..., Callable[[], None] | None] | None = None
     program_key: Callable[[int, int], Hashable | None] | None = None
+    # told once, by a solver that gathers coarse levels (`Config.agglomerate`), the grids
+    # whose every step each rank will take and the communicator: a propagator with
+    # `local_steps` then fetches what those steps read before each solve
+    gather_steps: Callable[[list, Any], None] | None = None
     # the propagator's steps read data that only the rank the grid gives them holds (a
     # network's layers and forward states): `local_steps = True` on the propagator. Such
-    # steps cannot run on every rank, so such a propagator refuses `Config.agglomerate`
+    # steps run on every rank only where the propagator fetches that data (`gather_steps`);
+    # without it, such a propagator refuses `Config.agglomerate`
     local_steps: bool = False
 
     @classmethod

@@ -244,6 +244,18 @@ class NativeDenseSteps(ChainSteps):
             return [[y], [y]], 0
         return super().single_values(layer, t, u)
 
+    def batch_values(self, t: Tensors, us: Tensor, into: list | None = None) -> list | None:
+        """`values` from the native batched step, row for row the tanh that the native
+        single step keeps, written into `into` (what an earlier call returned, for the
+        same shapes) where given; None where the batch is past what it takes."""
+        if us.numel() > self.kernels.max_batch:
+            return None
+        y = into[1] if into is not None else torch.empty_like(us)
+        if self.kernels.step_batch(us, t[self.weight], t[self.bias], 0.0, torch.empty_like(us),
+                                   None, y):
+            return into if into is not None else [y, y]
+        return None
+
     def vjp(self, t: Tensors, us: Tensor, ws: Tensor, dt: float, values: list,
             want_params: bool) -> tuple[Tensor, Tensors | None]:
         """In C, entries of zero cotangents included (they give zero cotangents and read

@@ -132,6 +132,12 @@ class CapturedStep:
                     "residual read on the host after every cycle, which a CUDA graph cannot "
                     f"do; use tol=0 (max_iter={cfg.max_iter} cycles, the residual history "
                     "is read after the step)")
+            if cfg.agglomerate and model.comm.size > 1:
+                raise CaptureError(
+                    f"the {kind} solve has agglomerate={cfg.agglomerate}: its gathered coarse "
+                    "levels fetch layers (and forward states) with a collective on the host "
+                    "before every solve, which a captured step cannot make; use "
+                    "agglomerate=0")
             if cfg.cuda_graphs and self.graphs:
                 raise CaptureError(
                     f"the {kind} solve has cuda_graphs=True, which captures relaxation "

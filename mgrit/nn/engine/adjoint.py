@@ -15,6 +15,7 @@ from ...core.propagator import Step, StepBatch
 from ...execute import write_result
 from ...kernels.strategies import Kept, Tensors
 from .adjoint_phase import AdjointPhase
+from .fetch import LayerFetch, StateFetch
 from .module_strategy import StepSelection
 from .propagators import is_nonzero, nonzero_rows, program_key
 from .stack import LayerStack
@@ -34,13 +35,15 @@ class AdjointPropagator:
     local_steps = True      # a step needs the forward state that this rank's solve left
 
     def __init__(self, stack: LayerStack, num_steps: int, strides: list[int], states: Tensor,
-                 offset: int, outputs: dict[int, Kept] | None = None) -> None:
+                 offset: int, outputs: dict[int, Kept] | None = None,
+                 forward_fetches: bool = False) -> None:
         self.stack = stack
         self.outputs = outputs      # the forward pass's kept op outputs at `states`
         self.num_steps = num_steps
         self.strides = strides
         self.states = states        # forward states: row i holds point offset + i
         self.offset = offset
+        self._count = len(states)
         self._selection = StepSelection(stack, states[0])
         self.kernels = self._selection.current()     # the step strategy of this solve
         self.recording = False
@@ -62,10 +65,49 @@ class AdjointPropagator:
         # whether all-zero cotangents are found (a host read) and skipped; a captured
         # solve computes them like any other
         self.skip_zero_rows = True
+        # the layers and forward states of gathered coarse levels' steps (`gather_steps`),
+        # fetched per solve
+        self._fetch: tuple[LayerFetch, StateFetch] | None = None
+        # what `_values_at_fetched` reads and writes at every solve: ((layer buffer, state
+        # buffer, strategy) they were made for, stacked layers, stacked states, outputs,
+        # kept entries by point)
+        self._held_values: tuple | None = None
+        # whether the forward solve of these states fetches layers for gathered levels
+        # (then every layer this one's gathered levels need: `LayerFetch` is one per stack)
+        self._forward_fetches = forward_fetches
+
+    def gather_steps(self, grids: list, comm: object) -> None:
+        """Every rank takes every step of `grids`, the solver's gathered coarse levels: the
+        layers and forward states where those steps linearise come to every rank before
+        each solve (`begin`)."""
+        if self.states.is_complex():
+            raise ValueError("Config(agglomerate > 0) in a layer-parallel network needs real "
+                             "states; use agglomerate=0 with complex ones")
+        n = self.num_steps
+        points = sorted({n - (j + 1) * g.stride for g in grids for j in range(g.num_steps)})
+        layers = LayerFetch.of(self.stack)
+        layers.add(points, comm)
+        self._fetch = (layers, StateFetch(points, comm))
+
+    def _state(self, p: int) -> Tensor:
+        """The forward state at point p: this rank's, or fetched for a gathered step."""
+        i = p - self.offset
+        if 0 <= i < self._count:
+            return self.states[i]
+        return self._fetch[1].states[p]
 
     def begin(self) -> None:
-        """A new backward solve: new forward states, no gradients yet, the step strategy
-        for it and whether its steps draw random numbers (with the forward pass's keys)."""
+        """A new backward solve: new forward states (and the gathered levels' layers and
+        states, a collective each), no gradients yet, the step strategy for it and whether
+        its steps draw random numbers (with the forward pass's keys)."""
+        if self._fetch is not None:
+            layers, states = self._fetch
+            # where the forward solve fetches layers, its fetch (the stack's one) brought
+            # these too, unless they were added since; the parameters do not change
+            # between the two passes
+            if not (self._forward_fetches and layers.fresh):
+                layers.run()
+            states.run(self.states, self.offset)
         self.gradients = []
         self._gathered.clear()
         self._computed.clear()
@@ -75,6 +117,39 @@ class AdjointPropagator:
             self.kernels, "vjp_program", self.stack, self._values, self._selection.backend)
         self._record_key = (None if self._program_key is None
                             else (*self._program_key, "record"))
+        if self._fetch is not None and self.kernels.keeps_values and not self._random:
+            self._values_at_fetched()
+
+    def _values_at_fetched(self) -> None:
+        """The op outputs at the fetched points, in one batched call: every gathered step
+        reads them, and a call per point would cost more than the gathered levels'
+        arithmetic. The layers and states are read where the fetches left them (views of
+        their buffers), and the outputs written into the same tensors at every solve where
+        the strategy can: the compiled phases that read them by address then stay as they
+        are. A point whose outputs the forward pass kept reads those (`_kept`)."""
+        layers, fetched = self._fetch
+        points = fetched.rows.keys
+        made_for = (layers.rows.buffer, fetched.rows.buffer, self.kernels)
+        held = self._held_values
+        if held is None or any(a is not b for a, b in zip(held[0], made_for)):
+            t, us = layers.stacked(points), fetched.stacked
+            held = None if t is None or us is None else (made_for, t, us, None, None)
+        if held is None:
+            # the buffers do not serve as stacked tensors (another dtype): stacked copies
+            views = [self.stack.views(p) for p in points]
+            t = {k: torch.stack([v[k] for v in views]) for k in views[0]}
+            us = torch.stack([self._state(p) for p in points])
+        else:
+            t, us = held[1], held[2]
+        batch = getattr(self.kernels, "batch_values", None)
+        values = None if batch is None else batch(t, us, None if held is None else held[3])
+        if values is None:
+            values, held = self.kernels.values(t, us), None
+        elif held is not None and held[3] is None:
+            held = (*held[:3], values, {p: (values, i) for i, p in enumerate(points)})
+        self._held_values = held
+        self._computed.update(held[4] if held is not None else
+                              {p: (values, i) for i, p in enumerate(points)})
 
     def program_key(self, level: int, parallel: int) -> Hashable | None:
         """As `NetworkPropagator.program_key`; the final fine sweep's phases, which record
@@ -112,8 +187,7 @@ class AdjointPropagator:
         """The op outputs of layer p at forward state p: kept, or computed now and kept."""
         kept = self._kept(p)
         if kept is None:
-            kept = self._computed[p] = self.kernels.single_values(
-                p, t, self.states[p - self.offset])
+            kept = self._computed[p] = self.kernels.single_values(p, t, self._state(p))
         return kept
 
     def _batch_values(self, t: Tensors, us: Tensor, layers: list[int], batch: list | None
@@ -182,7 +256,7 @@ class AdjointPropagator:
 
     def step(self, w: Tensor, s: Step) -> Tensor:
         p = self._layer_point(s)
-        u = self.states[p - self.offset]
+        u = self._state(p)
         if (self.kernels.keeps_values or (self.recording and s.level == 0)
                 or (self.skip_zero_rows and not is_nonzero(w))):
             return self._vjp(self.stack.rows(p, 1, 1), u[None], w[None], [p], s.level,
@@ -231,10 +305,17 @@ class AdjointPropagator:
         key = (first, stride, steps.count)
         batch = self._gathered.get(key)
         if batch is None:
-            # the rows made on the device and the points in Python: no copy either way
-            rows = torch.arange(first - self.offset, first - self.offset + stride * steps.count,
-                                stride, device=self.states.device)
             points = list(range(first, first + stride * steps.count, stride))
-            batch = self._gathered[key] = [points, self.states.index_select(0, rows), None]
+            lo, hi = sorted((first - self.offset, points[-1] - self.offset))
+            if lo >= 0 and hi < len(self.states):
+                # the rows made on the device and the points in Python: no copy either way
+                rows = torch.arange(first - self.offset,
+                                    first - self.offset + stride * steps.count, stride,
+                                    device=self.states.device)
+                us = self.states.index_select(0, rows)
+            else:
+                # a gathered level's batch: points of other ranks, fetched
+                us = torch.stack([self._state(p) for p in points])
+            batch = self._gathered[key] = [points, us, None]
         tensors = self.stack.rows(first, stride, steps.count)
         return self._vjp(tensors, batch[1], ws, batch[0], steps.level, steps.dt, batch)

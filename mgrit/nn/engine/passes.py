@@ -117,7 +117,8 @@ class Passes:
             forward = self.forward_solver(like, keep=True)
             states, offset = forward.fine_states()
             prop = AdjointPropagator(self.layers, self.num_steps, self.backward_strides,
-                                     states, offset, forward.prop.outputs)
+                                     states, offset, forward.prop.outputs,
+                                     forward_fetches=forward.prop.fetches)
             solver = Solver(prop, like, self.num_steps, 0.0, self.t_final,
                             self.backward_config, self.backward_comm,
                             blocks=self.adjoint_blocks, final_sweep=prop.final_sweep)

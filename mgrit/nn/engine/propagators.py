@@ -24,6 +24,7 @@ from ...execute import write_result
 from ...kernels.choice import compiled_phases
 from ...kernels.contract import has_phases
 from ...kernels.strategies import Kept, Tensors
+from .fetch import LayerFetch
 from .module_strategy import StepSelection
 from .stack import LayerStack
 
@@ -85,10 +86,27 @@ class NetworkPropagator:
         self._program_key: Hashable | None = None
         self._keep_key: Hashable | None = None
         self._max_parallel = 0
+        # the layers of gathered coarse levels' steps (`gather_steps`), fetched per solve
+        self._fetch: LayerFetch | None = None
+
+    def gather_steps(self, grids: list, comm: object) -> None:
+        """Every rank takes every step of `grids`, the solver's gathered coarse levels: the
+        layers where those steps start come to every rank before each solve (`begin`)."""
+        layers = sorted({j * g.stride for g in grids for j in range(g.num_steps)})
+        self._fetch = LayerFetch.of(self.stack)
+        self._fetch.add(layers, comm)
+
+    @property
+    def fetches(self) -> bool:
+        """Whether each solve begins by fetching the layers of gathered levels."""
+        return self._fetch is not None
 
     def begin(self) -> None:
-        """A new solve: the step strategy for it (whether native kernels may run is read
-        here, once), and whether its steps draw random numbers (keyed per layer)."""
+        """A new solve: the gathered levels' layers (a collective), the step strategy for it
+        (whether native kernels may run is read here, once), and whether its steps draw
+        random numbers (keyed per layer)."""
+        if self._fetch is not None:
+            self._fetch.run()
         self.kernels = self._selection.current()
         self._random = self.stack.random
         self._program_key, self._max_parallel = program_key(

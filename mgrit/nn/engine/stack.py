@@ -100,6 +100,8 @@ class LayerStack(nn.Module):
             data = torch.stack(rows) if rows else ref.new_zeros((0, *ref.shape))
             self.register_buffer("buf__" + _sanitize(name), data.clone())
         self.ghosts: dict[int, dict[str, Tensor]] = {}
+        # where the ghost layers' tensors live (`storage_key`), made again when one comes
+        self._ghost_key: tuple[int, ...] | None = None
         # The module structure that functional calls fill with a layer's tensors; kept out
         # of the registered submodules so its own weights are neither trained nor saved.
         template.requires_grad_(False)
@@ -231,8 +233,11 @@ class LayerStack(nn.Module):
         """Where the stacked tensors and the ghost layers live: changes when any of them is
         given new storage (a CUDA graph of steps that read them is then stale)."""
         self._detached()
-        return self._detached_key + tuple(t.data_ptr() for ghost in self.ghosts.values()
-                                          for t in ghost.values())
+        if self._ghost_key is None:
+            # a fetch of gathered levels' layers holds dozens: not read again at every solve
+            self._ghost_key = tuple(t.data_ptr() for ghost in self.ghosts.values()
+                                    for t in ghost.values())
+        return self._detached_key + self._ghost_key
 
     def set_ghost(self, layer: int, values: dict[str, Tensor]) -> None:
         """Take a layer sent by its owner (name -> tensor, `flat_views` of the message),
@@ -241,9 +246,18 @@ class LayerStack(nn.Module):
         ghost = self.ghosts.get(layer)
         if ghost is None:
             self.ghosts[layer] = {k: v.clone() for k, v in values.items()}
+            self._ghost_key = None
         else:
             for k, value in values.items():
                 ghost[k].copy_(value)
+
+    def install_ghost(self, layer: int, tensors: dict[str, Tensor]) -> None:
+        """Make `tensors` layer `layer`'s ghost as they are (no copy: a reduction writes
+        them in place, `mgrit.nn.engine.fetch`)."""
+        self.ghosts[layer] = tensors
+        self._ghost_key = None
+        self._views.pop(layer, None)
+        self._modules_by_layer.pop(layer, None)
 
     def _apply(self, fn, recurse=True):
         """Conversions (.to, .double, ...) give the tensors new storage: drop cached views
@@ -253,6 +267,7 @@ class LayerStack(nn.Module):
         self._rows.clear()
         self._detached_tensors = None
         self.ghosts.clear()
+        self._ghost_key = None
         return super()._apply(fn, recurse)
 
     def views(self, layer: int) -> dict[str, Tensor]:
