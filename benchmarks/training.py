@@ -145,7 +145,7 @@ def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
 CHOSEN = "MGRIT, chosen hierarchy"
-HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter", "initial_guess")
+HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter", "initial_guess", "agglomerate")
 
 
 def chosen_variant(work: TrainingWorkload, comm: Any = None) -> TrainingWorkload:
@@ -187,14 +187,16 @@ def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
 
 
 def hierarchy_label(options: dict[str, dict[str, Any]]) -> str:
-    """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way, and
-    which passes start from the coarse levels' solution ('nested': both)."""
+    """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way, which
+    passes start from the coarse levels' solution ('nested': both), and 'gathered' where a
+    pass solves coarse levels on every rank (`Config.agglomerate`)."""
     f, b = options["forward"], options["backward"]
 
     def text(value: Any) -> str:
         return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     return (f"L{f['levels']} m{text(f['coarsening'])} {text(f['relax'])} "
-            f"{f['max_iter']}/{b['max_iter']}" + _nested_label(f, b))
+            f"{f['max_iter']}/{b['max_iter']}" + _nested_label(f, b)
+            + (" gathered" if f.get("agglomerate") or b.get("agglomerate") else ""))
 
 
 def _nested_label(forward: dict[str, Any], backward: dict[str, Any]) -> str:

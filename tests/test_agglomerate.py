@@ -337,6 +337,22 @@ def test_gathered_tool_floor_falls_and_bad_arguments_are_refused():
             gathered.main(argv)
 
 
+def test_gathered_training_takes_the_coarse_sweeps_off_the_path():
+    """`benchmarks.studies.gathered --training`'s points: W2's training step with its
+    coarse level gathered has fewer hops on the predicted path than with the coarse level
+    passed from rank to rank (16 virtual ranks, the coarse level's 4 points a rank
+    gathered: the two sweeps' 2 x 15 hops become two reductions of 4 hops)."""
+    from benchmarks.scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
+    from benchmarks.studies import gathered
+    from benchmarks.studies.hops import OVERHEAD
+    from benchmarks.studies.nested import virtual
+
+    cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, OVERHEAD)
+    hops = {agg: virtual("w2", gathered.training_options(agg), 16, cluster,
+                         False)["critical"]["hops"] for agg in (0, 4)}
+    assert hops[4] < hops[0] - 16, hops
+
+
 class _CompiledLinear:
     """u' = lam u by forward Euler with every phase one compiled call (a loop over its steps
     written as `g + Phi(u)` rounds), batched where it is not: the solver (its batched

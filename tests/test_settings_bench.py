@@ -69,3 +69,6 @@ def test_hierarchy_labels_name_the_passes_that_start_nested():
     # records written before the start was kept read as zero starts
     plain = {k: v for k, v in backward.items() if k != "initial_guess"}
     assert hierarchy_label({"forward": plain, "backward": plain}) == "L2 m8 F 1/1"
+    gathered = dict(forward, agglomerate=1)
+    assert hierarchy_label({"forward": gathered, "backward": gathered}) == \
+        "L2 m8 F 0/0 nested gathered"
