@@ -9,6 +9,8 @@ buffer: a fetch is then a fill, the rank's own rows and the reduction."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -34,9 +36,9 @@ class RowFetch:
         self.comm = comm
         self.buffer: Tensor | None = None
 
-    def run(self, owned: list[tuple[int, Tensor]], width: int, like: Tensor) -> bool:
-        """Row i of the buffer := key i's row, on every rank (`owned`: (row, this rank's
-        flat values of it) for the rows it owns); True where the buffer was made anew."""
+    def run(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> bool:
+        """Row i of the buffer := key i's row, on every rank (`fill(buffer)` writes the rows
+        this rank owns); True where the buffer was made anew."""
         dtype, device = _carrier(like.dtype), like.device
         buffer = self.buffer
         made = (buffer is None or buffer.shape[1] != width or buffer.dtype != dtype
@@ -45,10 +47,16 @@ class RowFetch:
             buffer = self.buffer = torch.empty((len(self.keys), width), dtype=dtype,
                                                device=device)
         buffer.fill_(-0.0)
-        for i, values in owned:
-            buffer[i].copy_(values)
+        fill(buffer)
         self.comm.allreduce_sum_(buffer)
         return made
+
+    def owned(self, mine: Callable[[int], bool]) -> tuple[slice, list[int]]:
+        """(the buffer's rows of the keys for which `mine` is true, those keys): a run of
+        consecutive rows, since the keys are sorted and a rank owns an interval of them."""
+        keys = [key for key in self.keys if mine(key)]
+        first = self.index[keys[0]] if keys else 0
+        return slice(first, first + len(keys)), keys
 
 
 class LayerFetch:
@@ -61,8 +69,9 @@ class LayerFetch:
         self.stack = stack
         self.layers: set[int] = set()
         self.rows: RowFetch | None = None
-        # per buffer: the rows this rank owns, and the ghosts installed as its views
-        self._owned: list[tuple[int, Tensor]] | None = None
+        # the buffer's rows of the layers this rank owns and their rows in its stacked
+        # tensors; the ghosts installed as views of the buffer
+        self._owned: tuple[slice, Tensor] | None = None
         self._ghosts: dict[int, dict[str, Tensor]] = {}
         # whether the layers added last have been fetched (every rank adds and fetches at
         # the same points of its program, so every rank reads the same)
@@ -92,12 +101,22 @@ class LayerFetch:
         like = next(iter(tensors.values()))
         lo, hi = stack.first, stack.last
         if self._owned is None:
-            # each owned layer's row: its tensors flattened into one tensor made once,
-            # refilled from the layer's (in-place updated) views at every fetch
-            self._owned = [(rows.index[n], n) for n in rows.keys if lo <= n <= hi]
-        owned = [(i, torch.cat([t.reshape(-1) for t in stack.views(n).values()]))
-                 for i, n in self._owned]
-        if rows.run(owned, stack.flat_size(), like):
+            where, layers = rows.owned(lambda n: lo <= n <= hi)
+            self._owned = (where, torch.tensor([n - lo for n in layers], dtype=torch.long,
+                                               device=like.device))
+
+        def fill(buffer: Tensor) -> None:
+            # every owned layer's tensors in one copy per name, not a copy per layer
+            where, local = self._owned
+            if not len(local):
+                return
+            offset = 0
+            for t in tensors.values():
+                size = int(torch.Size(t.shape[1:]).numel())
+                buffer[where, offset: offset + size].copy_(
+                    t.detach().index_select(0, local).reshape(len(local), size))
+                offset += size
+        if rows.run(fill, stack.flat_size(), like):
             self._ghosts = {}
         self.fresh = True
         buffer = rows.buffer
@@ -147,7 +166,9 @@ class StateFetch:
         self.states: dict[int, Tensor] = {}
         self.stacked: Tensor | None = None
         self._views: dict[int, Tensor] | None = None
-        self._owned: tuple[int, int, list[tuple[int, int]]] | None = None
+        # (offset, rows) the owned rows were found for: the buffer's rows of the points this
+        # rank owns, and their rows in its states
+        self._owned: tuple[int, int, slice, Tensor] | None = None
 
     def run(self, states: Tensor, offset: int) -> None:
         """`states`: this rank's level-0 forward storage, row i holding point offset + i;
@@ -155,11 +176,17 @@ class StateFetch:
         sends (two senders would sum to twice the state)."""
         count = len(states)
         if self._owned is None or self._owned[:2] != (offset, count):
-            self._owned = (offset, count, [(self.rows.index[p], p - offset)
-                                           for p in self.rows.keys if 1 <= p - offset < count])
+            where, points = self.rows.owned(lambda p: 1 <= p - offset < count)
+            self._owned = (offset, count, where,
+                           torch.tensor([p - offset for p in points], dtype=torch.long,
+                                        device=states.device))
         like = states[0]
-        made = self.rows.run([(i, states[r].reshape(-1)) for i, r in self._owned[2]],
-                             like.numel(), like)
+        _, _, where, local = self._owned
+
+        def fill(buffer: Tensor) -> None:
+            if len(local):
+                buffer[where].copy_(states.index_select(0, local).reshape(len(local), -1))
+        made = self.rows.run(fill, like.numel(), like)
         buffer = self.rows.buffer
         if made or self._views is None:
             # views of the buffer, which every later fetch into it refreshes
