@@ -62,8 +62,9 @@ class RowFetch:
 class LayerFetch:
     """The layers of the gathered levels' steps, one fetch per `LayerStack` (`of`), whatever
     solver asks: every rank holds every such layer it does not own as a ghost whose tensors
-    are views of the reduction's buffer, so a fetch is one reduction and no copy. The
-    layers change at every optimizer step, so every forward solve fetches them again."""
+    are views of the reduction's buffer, so a fetch is the rank's own rows, one reduction
+    and no copy into the ghosts. The layers change at every optimizer step, so every
+    forward solve fetches them again."""
 
     def __init__(self, stack: LayerStack) -> None:
         self.stack = stack
@@ -100,7 +101,7 @@ class LayerFetch:
             return
         like = next(iter(tensors.values()))
         lo, hi = stack.first, stack.last
-        if self._owned is None:
+        if self._owned is None or self._owned[1].device != like.device:
             where, layers = rows.owned(lambda n: lo <= n <= hi)
             self._owned = (where, torch.tensor([n - lo for n in layers], dtype=torch.long,
                                                device=like.device))
@@ -175,7 +176,8 @@ class StateFetch:
         row 0 is the ghost, a copy of the previous rank's last point, which that rank
         sends (two senders would sum to twice the state)."""
         count = len(states)
-        if self._owned is None or self._owned[:2] != (offset, count):
+        if (self._owned is None or self._owned[:2] != (offset, count)
+                or self._owned[3].device != states.device):
             where, points = self.rows.owned(lambda p: 1 <= p - offset < count)
             self._owned = (offset, count, where,
                            torch.tensor([p - offset for p in points], dtype=torch.long,
