@@ -120,7 +120,7 @@ def training(ranks: int, rounds: int) -> dict[str, Any]:
     ranks, its coarse level passed from rank to rank and gathered; every point the fastest
     of `rounds` rounds, each computation in a fresh process."""
     from ..scaling.virtual import fresh
-    from .nested import PLAN, _both, gradient_error, one_rank, work_of
+    from .nested import PLAN, cold_and_warm, gradient_error, one_rank, work_of
 
     network = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, OVERHEAD)
     measured: list[dict[str, float]] = []
@@ -129,7 +129,7 @@ def training(ranks: int, rounds: int) -> dict[str, Any]:
         measured.append(fresh(one_rank, "w2", training_options(0), PLAN["w2"][2],
                               PLAN["w2"][1]))
         for agg in predicted:
-            predicted[agg].append(_both("w2", training_options(agg), ranks, network))
+            predicted[agg].append(cold_and_warm("w2", training_options(agg), ranks, network))
     one = {k: min(m[k] for m in measured) for k in measured[0]}
     best = {agg: {kind: min((r[kind] for r in runs), key=lambda r: r["seconds"])
                   for kind in ("cold", "warm")} for agg, runs in predicted.items()}

@@ -151,7 +151,7 @@ def virtual(name: str, options: Options, ranks: int, network: Interconnect, hot:
     return predict(traces, network)
 
 
-def _both(name: str, options: Options, ranks: int, network: Interconnect
+def cold_and_warm(name: str, options: Options, ranks: int, network: Interconnect
           ) -> dict[str, dict[str, Any]]:
     """Cold and warm predictions, each from a fresh process."""
     return {kind: fresh(virtual, name, options, ranks, network, kind == "warm")
@@ -227,9 +227,9 @@ def study(name: str, ranks: int, threshold: float) -> dict[str, Any]:
             network = network_from(records[2]["ping_pong"])
             cluster = Interconnect(CLUSTER_LATENCY, CLUSTER_BANDWIDTH, network.overhead)
         for p in (1, 2):
-            predicted[str(p)].append(_both(name, options, p, network))
-        predicted[str(ranks)].append(_both(name, options, ranks, cluster))
-        predicted["sequential"].append(_both(name, sequential, 1, cluster))
+            predicted[str(p)].append(cold_and_warm(name, options, p, network))
+        predicted[str(ranks)].append(cold_and_warm(name, options, ranks, cluster))
+        predicted["sequential"].append(cold_and_warm(name, sequential, 1, cluster))
         log.info("%s, round %d: measured on 1 rank %s; predicted at %d ranks %.2f ms", name,
                  round_, {k: round(v * 1e3, 2) for k, v in measured[-1].items()}, ranks,
                  predicted[str(ranks)][-1]["cold"]["seconds"] * 1e3)

@@ -70,6 +70,11 @@ def _real(t: Tensor) -> Tensor:
 _CARRIED = (torch.float32, torch.float64)
 
 
+def carried_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a sum-reduction that adds -0.0 carries values of `dtype` exactly."""
+    return dtype if dtype in _CARRIED else torch.float64
+
+
 class Gathered:
     """Levels a.. of one solver, gathered on every rank: their whole-grid copies, the
     operations between them, and the reduction buffer that brings level a's values.
@@ -100,7 +105,7 @@ class Gathered:
         n = top.grid.num_steps
         m = top.grid.coarsening or (n + 1)      # the coarsest level: no C-point but 0
         real = _real(like)
-        dtype = real.dtype if real.dtype in _CARRIED else torch.float64
+        dtype = carried_dtype(real.dtype)
         self.buffer = torch.full((n + 1 + n // m, *real.shape), -0.0, dtype=dtype,
                                  device=like.device)
         # (the rank's rows, their slot in the buffer) to pack and (buffer rows, the copy's

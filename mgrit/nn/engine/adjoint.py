@@ -6,7 +6,7 @@ cotangents of the final fine sweep; its compiled phases are `adjoint_phase`'s.""
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,6 +19,16 @@ from .fetch import LayerFetch, StateFetch
 from .module_strategy import StepSelection
 from .propagators import is_nonzero, nonzero_rows, program_key
 from .stack import LayerStack
+
+
+class _HeldValues(NamedTuple):
+    """What `AdjointPropagator._values_at_fetched` reads and writes at every solve."""
+
+    made_for: tuple       # the layer buffer, state buffer and strategy they were made for
+    layers: Tensors       # the fetched layers, stacked (views of the layer buffer)
+    states: Tensor        # the fetched states, stacked (a view of the state buffer)
+    values: list | None   # the op outputs, written again at every solve
+    entries: dict | None  # point -> its kept entry in `values`
 
 
 class AdjointPropagator:
@@ -68,10 +78,8 @@ class AdjointPropagator:
         # the layers and forward states of gathered coarse levels' steps (`gather_steps`),
         # fetched per solve
         self._fetch: tuple[LayerFetch, StateFetch] | None = None
-        # what `_values_at_fetched` reads and writes at every solve: ((layer buffer, state
-        # buffer, strategy) they were made for, stacked layers, stacked states, outputs,
-        # kept entries by point)
-        self._held_values: tuple | None = None
+        # what `_values_at_fetched` reads and writes at every solve
+        self._held_values: _HeldValues | None = None
         # whether the forward solve of these states fetches layers for gathered levels
         # (then every layer this one's gathered levels need: `LayerFetch` is one per stack)
         self._forward_fetches = forward_fetches
@@ -131,24 +139,26 @@ class AdjointPropagator:
         points = fetched.rows.keys
         made_for = (layers.rows.buffer, fetched.rows.buffer, self.kernels)
         held = self._held_values
-        if held is None or any(a is not b for a, b in zip(held[0], made_for)):
+        if held is None or any(a is not b for a, b in zip(held.made_for, made_for)):
             t, us = layers.stacked(points), fetched.stacked
-            held = None if t is None or us is None else (made_for, t, us, None, None)
+            held = (None if t is None or us is None else
+                    _HeldValues(made_for, t, us, None, None))
         if held is None:
             # the buffers do not serve as stacked tensors (another dtype): stacked copies
             views = [self.stack.views(p) for p in points]
             t = {k: torch.stack([v[k] for v in views]) for k in views[0]}
             us = torch.stack([self._state(p) for p in points])
         else:
-            t, us = held[1], held[2]
+            t, us = held.layers, held.states
         batch = getattr(self.kernels, "batch_values", None)
-        values = None if batch is None else batch(t, us, None if held is None else held[3])
+        values = None if batch is None else batch(t, us, None if held is None else held.values)
         if values is None:
             values, held = self.kernels.values(t, us), None
-        elif held is not None and held[3] is None:
-            held = (*held[:3], values, {p: (values, i) for i, p in enumerate(points)})
+        elif held is not None and held.values is None:
+            held = held._replace(values=values,
+                                 entries={p: (values, i) for i, p in enumerate(points)})
         self._held_values = held
-        self._computed.update(held[4] if held is not None else
+        self._computed.update(held.entries if held is not None else
                               {p: (values, i) for i, p in enumerate(points)})
 
     def program_key(self, level: int, parallel: int) -> Hashable | None:
@@ -307,7 +317,7 @@ class AdjointPropagator:
         if batch is None:
             points = list(range(first, first + stride * steps.count, stride))
             lo, hi = sorted((first - self.offset, points[-1] - self.offset))
-            if lo >= 0 and hi < len(self.states):
+            if lo >= 0 and hi < self._count:
                 # the rows made on the device and the points in Python: no copy either way
                 rows = torch.arange(first - self.offset,
                                     first - self.offset + stride * steps.count, stride,

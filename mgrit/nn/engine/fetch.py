@@ -15,15 +15,8 @@ import torch
 from torch import Tensor
 
 from ...comm import Comm
+from ...core.agglomerate import carried_dtype
 from .stack import LayerStack
-
-# dtypes a sum-reduction carries as they are; others go as float64, which holds each of
-# their values exactly (as in `mgrit.core.agglomerate`)
-_CARRIED = (torch.float32, torch.float64)
-
-
-def _carrier(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in _CARRIED else torch.float64
 
 
 class RowFetch:
@@ -39,7 +32,7 @@ class RowFetch:
     def run(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> bool:
         """Row i of the buffer := key i's row, on every rank (`fill(buffer)` writes the rows
         this rank owns); True where the buffer was made anew."""
-        dtype, device = _carrier(like.dtype), like.device
+        dtype, device = carried_dtype(like.dtype), like.device
         buffer = self.buffer
         made = (buffer is None or buffer.shape[1] != width or buffer.dtype != dtype
                 or buffer.device != device)
@@ -111,12 +104,9 @@ class LayerFetch:
             where, local = self._owned
             if not len(local):
                 return
-            offset = 0
-            for t in tensors.values():
-                size = int(torch.Size(t.shape[1:]).numel())
-                buffer[where, offset: offset + size].copy_(
-                    t.detach().index_select(0, local).reshape(len(local), size))
-                offset += size
+            for name, columns, _ in stack.flat_layout():
+                buffer[where, columns].copy_(
+                    tensors[name].detach().index_select(0, local).reshape(len(local), -1))
         if rows.run(fill, stack.flat_size(), like):
             self._ghosts = {}
         self.fresh = True
@@ -150,12 +140,9 @@ class LayerFetch:
         first = rows.index[layers[0]]
         if [rows.index[n] for n in layers] != list(range(first, first + len(layers))):
             return None
-        block, out, offset = buffer[first: first + len(layers)], {}, 0
-        for name, t in tensors.items():
-            size = int(torch.Size(t.shape[1:]).numel())
-            out[name] = block[:, offset: offset + size].unflatten(1, t.shape[1:])
-            offset += size
-        return out
+        block = buffer[first: first + len(layers)]
+        return {name: block[:, columns].unflatten(1, shape)
+                for name, columns, shape in stack.flat_layout()}
 
 
 class StateFetch:

@@ -300,15 +300,20 @@ class LayerStack(nn.Module):
         """Elements of one layer's tensors, end to end (a ghost layer's message)."""
         return sum(int(torch.Size(v.shape[1:]).numel()) for v in self.tensors().values())
 
-    def flat_views(self, flat: Tensor) -> dict[str, Tensor]:
-        """One layer's tensors as views of `flat` (`flat_size` elements), name by name."""
-        out, offset = {}, 0
+    def flat_layout(self) -> list[tuple[str, slice, torch.Size]]:
+        """Where each of a layer's tensors lies in its flat form (`flat_views`), name by
+        name: (name, its elements' slice, its shape)."""
+        out, offset = [], 0
         for k, v in self.tensors().items():
             shape = v.shape[1:]
             size = int(torch.Size(shape).numel())
-            out[k] = flat[offset: offset + size].view(shape)
+            out.append((k, slice(offset, offset + size), shape))
             offset += size
         return out
+
+    def flat_views(self, flat: Tensor) -> dict[str, Tensor]:
+        """One layer's tensors as views of `flat` (`flat_size` elements), name by name."""
+        return {k: flat[where].view(shape) for k, where, shape in self.flat_layout()}
 
     # evaluation ----------------------------------------------------------------
     def f(self, tensors: dict[str, Tensor], u: Tensor) -> Tensor:
