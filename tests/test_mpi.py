@@ -28,12 +28,17 @@ def test_exception_on_one_rank_ends_every_rank(mpi, nprocs, failing, runner):
     assert run.reports() == [], "no rank may finish the solve"
 
 
-@pytest.mark.parametrize("what", ["config", "num_steps", "dtype"])
+@pytest.mark.parametrize("what", ["config", "num_steps", "dtype", "values"])
 def test_settings_that_differ_between_ranks_are_reported_everywhere(mpi, what):
     run = mpi("mismatch.py", 3, what, timeout=60)
     assert run.returncode != 0
-    for rank, report in run.by_rank().items():
+    reports = run.by_rank()
+    assert sorted(reports) == [0, 1, 2], run.stderr
+    for rank, report in reports.items():
         assert report["error"] and "differ between ranks" in report["error"], (rank, report)
+        if what == "values":
+            # equal values whose reprs differ agreed; the differing shapes did not
+            assert report["error"].startswith("a batch shape differ"), (rank, report)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

@@ -7,11 +7,24 @@ from mpi4py import MPI
 
 import mgrit
 from mgrit.app.launch import report
+from mgrit.comm.mpi import MPIComm
 from mgrit.problems import Dahlquist
 
 comm = MPI.COMM_WORLD
 what = sys.argv[1]
 odd = comm.rank == 1
+if what == "values":
+    # equal values whose reprs differ agree; a value that differs on one rank does not
+    mine = MPIComm(comm)
+    mine.agree("equal values", (1.0, "a") if odd else (1, "a"))
+    try:
+        mine.agree("a batch shape", (3, 4) if odd else (3, 5))
+        message = None
+    except ValueError as err:
+        message = str(err)
+    report({"error": message})
+    comm.Barrier()
+    sys.exit(3 if message else 0)
 num_steps = 65 if (what == "num_steps" and odd) else 64
 dtype = torch.float32 if (what == "dtype" and odd) else torch.float64
 config = mgrit.Config(levels=3, relax="F" if (what == "config" and odd) else "FCF")
