@@ -145,19 +145,25 @@ def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
 CHOSEN = "MGRIT, chosen hierarchy"
+# the same choice with exact passes among the candidates: what a user of choose_settings
+# gets, where a sequential sweep may be the faster pass
+CHOSEN_ANY = "chosen settings, exact passes allowed"
+CHOSEN_METHODS = {CHOSEN: False, CHOSEN_ANY: True}
 HIERARCHY_KEYS = ("levels", "coarsening", "relax", "max_iter", "initial_guess", "agglomerate")
 
 
-def chosen_variant(work: TrainingWorkload, comm: Any = None) -> TrainingWorkload:
-    """The workload with the settings that the calibrated cost model prices cheapest for
-    its network on the ranks of `comm` among those whose gradient error, measured on the
-    workload's own batch against exact stepping, is within the controller's default
-    threshold (`mgrit.nn.choose_settings` with `threshold=THRESHOLD`; collective): the
-    hierarchy, the cycles of either pass up to the workload's, and a nested forward start."""
+def chosen_variant(work: TrainingWorkload, comm: Any = None, exact_passes: bool = False
+                   ) -> TrainingWorkload:
+    """The workload with the settings `mgrit.nn.choose_settings` picks with
+    `threshold=THRESHOLD` for its network on the ranks of `comm` (collective): of the
+    cheapest by the calibrated cost model, the fastest on these ranks whose gradient error,
+    measured on the workload's own batch against exact stepping, is within the controller's
+    default threshold: the hierarchy, the cycles of either pass up to the workload's, and
+    nested starts; with `exact_passes`, exact stepping of either pass or both too."""
     model, _ = build(work, comm=comm)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     forward, backward = choose_settings(model, lambda: work.loss(model(x), y),
-                                        threshold=THRESHOLD)
+                                        threshold=THRESHOLD, exact_passes=exact_passes)
     return replace(work, forward=forward, backward=backward)
 
 
@@ -189,11 +195,22 @@ def with_hierarchy(work: TrainingWorkload, options: dict[str, dict[str, Any]]
 def hierarchy_label(options: dict[str, dict[str, Any]]) -> str:
     """'L2 m8 F/FCF 2/1': levels, coarsening, relaxation per level, cycles each way, which
     passes start from the coarse levels' solution ('nested': both), and 'gathered' where a
-    pass solves coarse levels on every rank (`Config.agglomerate`)."""
+    pass solves coarse levels on every rank (`Config.agglomerate`); 'exact' where both
+    passes step exactly (levels 1), 'exact forward, ...' where one does, the rest the
+    other pass's hierarchy."""
     f, b = options["forward"], options["backward"]
 
     def text(value: Any) -> str:
         return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    if f["levels"] == 1 and b["levels"] == 1:
+        return "exact"
+    if f["levels"] == 1 or b["levels"] == 1:
+        exact, kind, other = (("forward", "backward", b) if f["levels"] == 1
+                              else ("backward", "forward", f))
+        return (f"exact {exact}, L{other['levels']} m{text(other['coarsening'])} "
+                f"{text(other['relax'])} {other['max_iter']} {kind}"
+                + (" nested" if other.get("initial_guess") == "nested" else "")
+                + (" gathered" if other.get("agglomerate") else ""))
     return (f"L{f['levels']} m{text(f['coarsening'])} {text(f['relax'])} "
             f"{f['max_iter']}/{b['max_iter']}" + _nested_label(f, b)
             + (" gathered" if f.get("agglomerate") or b.get("agglomerate") else ""))
@@ -220,16 +237,20 @@ def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = Non
 
 def chosen_times(work: TrainingWorkload, repeats: int, comm: Any = None
                  ) -> dict[str, dict[str, Any]]:
-    """The times of the hierarchy chosen for the workload on the ranks of `comm`
-    (`chosen_variant`), with its options, in `layer_parallel_methods`' form."""
-    chosen = chosen_variant(work, comm)
-    return {CHOSEN: {**layer_parallel_times(chosen, repeats, comm),
-                     "hierarchy": hierarchy(chosen)}}
+    """The times of the settings chosen for the workload on the ranks of `comm`
+    (`chosen_variant`), without and with exact passes among the choices, with their
+    options, in `layer_parallel_methods`' form."""
+    out = {}
+    for method, exact_passes in CHOSEN_METHODS.items():
+        chosen = chosen_variant(work, comm, exact_passes)
+        out[method] = {**layer_parallel_times(chosen, repeats, comm),
+                       "hierarchy": hierarchy(chosen)}
+    return out
 
 
 def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None
                 ) -> dict[str, dict[str, Any]]:
-    """`layer_parallel_methods` with the chosen hierarchy's row after the workload's own
+    """`layer_parallel_methods` with the chosen settings' rows after the workload's own
     setting's."""
     methods = layer_parallel_methods(work, repeats, comm)
     chosen = chosen_times(work, repeats, comm)
@@ -283,9 +304,9 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     work_ratios = {method: ratios(step_work(w)) for method, w in
                    (("layer-parallel mgrit", work), (SEQUENTIAL, sequential_variant(work)))}
     work_ratios[TORCH_KERNELS] = work_ratios["layer-parallel mgrit"]
-    # the chosen hierarchy may differ by rank count: its work is counted per choice
-    chosen_ratios = {p: ratios(step_work(with_hierarchy(work, runs[p][CHOSEN]["hierarchy"])))
-                     for p in ranks}
+    # the chosen settings may differ by rank count: their work is counted per choice
+    chosen_ratios = {(p, method): ratios(step_work(with_hierarchy(
+        work, runs[p][method]["hierarchy"]))) for p in ranks for method in CHOSEN_METHODS}
     records = []
     mgrit_name = "layer-parallel mgrit"
     for metric in ("train_step", "forward"):
@@ -309,10 +330,11 @@ def timing_records(name: str, ranks: list[int], repeats: int,
                     rec["min_ratio_to_sequential"] = times["min"][metric] / sequential_min
                 if method == mgrit_name:
                     rec["efficiency"] = base / (p * times[metric])
-                if method == CHOSEN:
+                if method in CHOSEN_METHODS:
                     rec["hierarchy"] = times["hierarchy"]
                     rec["hierarchy_label"] = hierarchy_label(times["hierarchy"])
-                r = chosen_ratios[p] if method == CHOSEN else work_ratios.get(method)
+                r = (chosen_ratios[p, method] if method in CHOSEN_METHODS
+                     else work_ratios.get(method))
                 if r is not None:
                     rec["evaluations_vs_sequential"] = (r["train_total"] if metric == "train_step"
                                                         else r["forward"])
@@ -326,12 +348,13 @@ def timing_records(name: str, ranks: list[int], repeats: int,
                     "backward_cycles": work.backward.max_iter, **quality,
                     "stats": runs[ranks[0]][mgrit_name]["stats"]})
     for p in ranks:
-        chosen = runs[p][CHOSEN]["hierarchy"]
-        records.append({"workload": name, "method": CHOSEN, "ranks": p, "metric": "gradient",
-                        "hierarchy_label": hierarchy_label(chosen),
-                        "forward_cycles": chosen["forward"]["max_iter"],
-                        "backward_cycles": chosen["backward"]["max_iter"],
-                        **gradient_quality(with_hierarchy(work, chosen))})
+        for method in CHOSEN_METHODS:
+            chosen = runs[p][method]["hierarchy"]
+            records.append({"workload": name, "method": method, "ranks": p,
+                            "metric": "gradient", "hierarchy_label": hierarchy_label(chosen),
+                            "forward_cycles": chosen["forward"]["max_iter"],
+                            "backward_cycles": chosen["backward"]["max_iter"],
+                            **gradient_quality(with_hierarchy(work, chosen))})
     return records
 
 
@@ -364,8 +387,9 @@ def print_timing(name: str, records: list[dict[str, Any]]) -> None:
           f"{next(r['sequential_ranks'] for r in records if 'sequential_ranks' in r)} rank(s), "
           "the strongest sequential baseline")
     for rec in records:
-        if rec["metric"] == "gradient" and rec["method"] == CHOSEN:
-            print(f"{CHOSEN} on {rec['ranks']} rank(s): {rec['hierarchy_label']}; gradient "
+        if rec["metric"] == "gradient" and rec["method"] in CHOSEN_METHODS:
+            print(f"{rec['method']} on {rec['ranks']} rank(s): {rec['hierarchy_label']}; "
+                  "gradient "
                   f"vs exact: cosine {rec['cosine']:.4f}, relative error "
                   f"{rec['relative_error']:.3g}")
     grad = next(r for r in records if r["metric"] == "gradient")

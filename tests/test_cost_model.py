@@ -339,12 +339,23 @@ def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
 
 # choosing with a measured error -----------------------------------------------------------
 
-def test_a_chosen_setting_meets_the_threshold_against_serial_autograd():
+def _timed_by_price(monkeypatch, cal: Calibration, num_steps: int, log: list) -> None:
+    """`choose_settings` times its settings by their model price instead of the clock
+    (logged in `log`): a choice among timed settings that does not depend on the machine."""
+    from mgrit.nn.controller import choose
+
+    def seconds(model, closure, configs, repeats):
+        log.append(configs)
+        return step_seconds(*configs, num_steps, model.comm.size, cal)
+    monkeypatch.setattr(choose, "_solve_seconds", seconds)
+
+
+def test_a_chosen_setting_meets_the_threshold_against_serial_autograd(monkeypatch):
     """With a threshold, the chosen settings' gradient (a model built with them) lies
     within TARGET * threshold of serial autograd's; fewer cycles are taken where they meet
-    it; an unreachable threshold gives exact stepping, a lax one the cheapest candidate
-    (no cycle, from nested starts; priced below the choice at the options' cycles). The
-    parameters' gradients and the model's options are as they were."""
+    it; an unreachable threshold gives exact stepping, a lax one the fastest candidate
+    (timed here by price: no cycle, from nested starts, below the choice at the options'
+    cycles). The parameters' gradients and the model's options are as they were."""
     from benchmarks.training import gradient_agreement, gradient_pairs
     from mgrit.nn.controller import TARGET
     f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
@@ -354,7 +365,9 @@ def test_a_chosen_setting_meets_the_threshold_against_serial_autograd():
     closure().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     cal = Calibration(Units(2e-5, 1e-7, 2e-6), Units(3e-5, 2e-7, 3e-6))
-    chosen = choose_settings(model, closure, calibration=cal, threshold=0.25)
+    _timed_by_price(monkeypatch, cal, 64, [])
+    chosen = choose_settings(model, closure, calibration=cal, threshold=0.25,
+                             exact_passes=False)
     assert all(p.grad is not None and torch.equal(p.grad, g)
                for p, g in zip(model.parameters(), grads))
     assert (model.forward_config, model.backward_config) == (f, b)
@@ -369,7 +382,7 @@ def test_a_chosen_setting_meets_the_threshold_against_serial_autograd():
     exact = choose_settings(model, closure, calibration=cal, threshold=1e-12)
     assert [c.levels for c in exact] == [1, 1]
     # every candidate meets a lax threshold: the cheapest is no cycle from nested starts
-    lax = choose_settings(model, closure, calibration=cal, threshold=1e6)
+    lax = choose_settings(model, closure, calibration=cal, threshold=1e6, exact_passes=False)
     plain = choose_settings(model, closure, calibration=cal)
     assert [(c.max_iter, c.initial_guess) for c in lax] == [(0, "nested")] * 2
     assert step_seconds(*lax, 64, 1, cal) < step_seconds(*plain, 64, 1, cal)
@@ -409,3 +422,82 @@ def test_bad_choice_options_are_named():
                            ({"most_levels": 1}, "most_levels")):
         with pytest.raises(ValueError, match=words):
             choose_settings(model, x, calibration=cal, **options)
+
+
+def test_settings_that_step_one_pass_exactly_are_candidates_priced_as_sweeps():
+    """With `exact_passes`, every candidate hierarchy comes with the forward or the backward
+    pass stepped exactly (levels 1, one sweep): its own cycles and start leave the
+    validity checks, the other pass keeps its hierarchy, and the model prices the exact
+    pass as a march over every rank."""
+    from mgrit.nn.controller.choose import candidates
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    base = Setting(2, 1, 3)
+    plain = candidates(base, f, b, 64, 4, fewer_cycles=True)
+    both = candidates(base, f, b, 64, 4, fewer_cycles=True, exact_passes=True)
+    assert not any(s.exact_pass for s in plain) and set(plain) < set(both)
+    extra = [s for s in both if s not in plain]
+    assert {s.exact_pass for s in extra} == {"forward", "backward"}
+    for s in extra:
+        forward, backward = configs_of(s, f, b, 3)
+        exact, other = (forward, backward) if s.exact_pass == "forward" else (backward, forward)
+        assert (exact.levels, exact.max_iter, exact.initial_guess) == (1, 1, "zero")
+        assert other.levels >= 2 and valid(s, f, b, 3, 64)
+        assert f"exact-{s.exact_pass}" in s.label
+        assert Setting(*s.as_list()) == s
+    # the exact pass's cycles do not matter; the other pass's rules still hold
+    assert valid(Setting(0, 0, 2, coarsening=8, nested_backward=True, exact_pass="forward"),
+                 f, b, 3, 64)
+    assert not valid(Setting(1, 0, 2, coarsening=8, exact_pass="forward"), f, b, 3, 64)
+    with pytest.raises(ValueError, match="exact_pass"):
+        Setting(1, 1, 2, exact_pass="both")
+    # a sweep of 64 layers on 4 ranks: 64 steps and 3 hops to the last rank, then the
+    # reduction's 2
+    cal = Calibration(Units(1.0, 0.0, 0.0), Units(0.0, 0.0, 1.0), latency=10.0)
+    s = Setting(1, 1, 2, coarsening=8, exact_pass="backward")
+    assert solve_terms(configs_of(s, f, b, 3)[1], 64, 4) == Terms(0, 0, 64, 5)
+    assert step_seconds(*configs_of(s, f, b, 3), 64, 4, cal) == pytest.approx(
+        solve_seconds(configs_of(s, f, b, 3)[0], 64, 4, cal.forward, 10.0) + 64 + 50)
+
+
+def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch):
+    """Of the `trials` cheapest candidates, those whose gradient meets the threshold are
+    timed beside exact stepping (here by a fixed clock) and the fastest is chosen: exact
+    stepping where it is the fastest, a setting with an exact pass where that is; a setting
+    that misses the threshold is never timed; `exact_passes=False` leaves exact passes out."""
+    from mgrit.nn.controller import choose
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    x, y = data("dense", 8)
+    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    cal = Calibration(Units(2e-5, 1e-7, 2e-6), Units(3e-5, 2e-7, 3e-6))
+    timed = []
+
+    def clock(fast):
+        def seconds(model, closure, configs, repeats):
+            timed.append(configs)
+            return 1.0 if fast(configs) else 2.0
+        monkeypatch.setattr(choose, "_solve_seconds", seconds)
+
+    clock(lambda c: c[0].levels == 1 and c[1].levels == 1)
+    assert [c.levels for c in choose_settings(model, closure, calibration=cal,
+                                              threshold=1e6)] == [1, 1]
+    assert len(timed) == choose.TRIALS + 1           # every trial met the lax threshold
+
+    clock(lambda c: c[0].levels == 1 and c[1].levels > 1)
+    forward, backward = choose_settings(model, closure, calibration=cal, threshold=1e6,
+                                        trials=40)
+    assert forward.levels == 1 and backward.levels > 1
+
+    timed.clear()
+    clock(lambda c: c[0].levels > 1 and c[1].levels > 1)
+    chosen = choose_settings(model, closure, calibration=cal, threshold=1e6,
+                             exact_passes=False)
+    assert all(c.levels > 1 for c in chosen)
+    assert all(c.levels > 1 for pair in timed for c in pair)
+
+    # nothing inexact meets 1e-12: only exact stepping is timed, and chosen
+    timed.clear()
+    clock(lambda c: False)
+    assert [c.levels for c in choose_settings(model, closure, calibration=cal,
+                                              threshold=1e-12)] == [1, 1]
+    assert [[c.levels for c in pair] for pair in timed] == [[1, 1]]

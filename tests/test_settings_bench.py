@@ -72,3 +72,11 @@ def test_hierarchy_labels_name_the_passes_that_start_nested():
     gathered = dict(forward, agglomerate=1)
     assert hierarchy_label({"forward": gathered, "backward": gathered}) == \
         "L2 m8 F 0/0 nested gathered"
+    # a pass stepped exactly is named, the other pass's hierarchy follows
+    exact = {"levels": 1, "coarsening": 4, "relax": ["F"], "max_iter": 1,
+             "initial_guess": "zero"}
+    assert hierarchy_label({"forward": exact, "backward": dict(forward)}) == \
+        "exact forward, L2 m8 F 0 backward nested"
+    assert hierarchy_label({"forward": backward, "backward": exact}) == \
+        "exact backward, L2 m8 F 1 forward"
+    assert hierarchy_label({"forward": exact, "backward": exact}) == "exact"

@@ -95,7 +95,7 @@ def choose(name: str, ranks: int, threshold: float) -> dict[str, Any]:
     x, y = work.inputs(torch.Generator().manual_seed(1))
     start = time.perf_counter()
     forward, backward = choose_settings(model, lambda: work.loss(model(x), y), ranks=ranks,
-                                        threshold=threshold)
+                                        threshold=threshold, exact_passes=False)
     seconds = time.perf_counter() - start
     options = hierarchy(replace(work, forward=forward, backward=backward))
     return {"options": options, "label": hierarchy_label(options), "choice_seconds": seconds,

@@ -1,14 +1,16 @@
 """Choosing a network's settings before training: the cheapest hierarchy by the calibrated
-cost model (`cost.step_seconds`), and, given an error threshold, the cheapest whose
-gradient is measured to stay within it.
+cost model (`cost.step_seconds`), and, given an error threshold, the fastest of the
+settings whose gradient is measured to stay within it.
 
 Without a threshold only hierarchies at the cycles of the model's options are priced: the
 hierarchy changes what a cycle costs, and how far a cycle converges is not measured. With
 one, fewer cycles and nested starts are priced as well (the coarse levels' solution as the
 first guess: on the reference workloads one forward cycle from there is about as accurate
-as two from zero, and no cycle, the start F-relaxed once, as one from zero), and the
-candidates are measured cheapest first against exact stepping's gradient on the given
-batch until one meets it.
+as two from zero, and no cycle, the start F-relaxed once, as one from zero), and so are
+settings that step one pass exactly; the cheapest candidates by price are measured against
+exact stepping's gradient on the given batch, and those that meet the threshold are timed
+beside exact stepping itself: the model prices what a solve's phases do, not its fixed
+costs, which on few ranks can make a sequential sweep the faster pass.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from ...core.config import Config
 from ..layer_parallel import LayerParallel
-from .agreement import gradient_agreement
+from .agreement import gradient_agreement, mean_over_ranks
 from .calibrate import REPEATS, calibrate, closure_of
 from .cost import Calibration
 from .hierarchy import cheapest, configs_of, hierarchies, starts_from_zero
@@ -47,26 +49,40 @@ def _passes(cycles: int, zero: bool) -> list[tuple[int, bool]]:
 
 
 def candidates(base: Setting, forward: Config, backward: Config, num_steps: int,
-               most_levels: int, fewer_cycles: bool) -> list[Setting]:
+               most_levels: int, fewer_cycles: bool, exact_passes: bool = False
+               ) -> list[Setting]:
     """Every valid hierarchy at `base`'s cycles (`hierarchies`) and, with `fewer_cycles`,
     at every smaller number of cycles of either pass, and from a nested start where the
-    pass's options start from zero (then down to no cycle: the start F-relaxed once)."""
+    pass's options start from zero (then down to no cycle: the start F-relaxed once); and
+    with `exact_passes` too, each of those with one pass stepped exactly (`exact_pass`)."""
     if not fewer_cycles:
         return hierarchies(base, forward, backward, num_steps, most_levels)
     out = []
-    for f, nested in _passes(base.forward, starts_from_zero(forward)):
-        for b, nested_backward in _passes(base.backward, starts_from_zero(backward)):
+    forwards = _passes(base.forward, starts_from_zero(forward))
+    backwards = _passes(base.backward, starts_from_zero(backward))
+    for f, nested in forwards:
+        for b, nested_backward in backwards:
             at = replace(base, forward=f, backward=b, nested=nested,
                          nested_backward=nested_backward)
             out += hierarchies(at, forward, backward, num_steps, most_levels)
+    if not exact_passes:
+        return out
+    # the exact pass's own cycles and start are left aside (one sweep): one setting each
+    for b, nested_backward in backwards:
+        at = replace(base, forward=1, backward=b, nested_backward=nested_backward,
+                     exact_pass="forward")
+        out += hierarchies(at, forward, backward, num_steps, most_levels)
+    for f, nested in forwards:
+        at = replace(base, forward=f, backward=1, nested=nested, exact_pass="backward")
+        out += hierarchies(at, forward, backward, num_steps, most_levels)
     return out
 
 
 def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
                     ranks: int | None = None, calibration: Calibration | None = None,
                     most_levels: int | None = None, repeats: int = REPEATS,
-                    threshold: float | None = None, trials: int = TRIALS
-                    ) -> tuple[Config, Config]:
+                    threshold: float | None = None, trials: int = TRIALS,
+                    exact_passes: bool = True) -> tuple[Config, Config]:
     """The forward and backward options of the hierarchy the calibrated cost model prices
     cheapest for `model` on `ranks` ranks (by default its own): 2 to `most_levels` levels
     (by default one more than its options have), coarsenings 2, 4, 8 and 16 and F or FCF
@@ -80,12 +96,17 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
 
     With `threshold` (a relative gradient error, as `Controller` takes): fewer cycles of
     either pass and nested starts (down to no cycle: the start F-relaxed once) are
-    candidates too; the `trials` cheapest are
-    measured in order of price (`probe_solves` on `like`, against exact stepping's
-    gradient) and the first whose error is at most TARGET * threshold is returned (the
-    margin the controller keeps for other batches); if none is, exact stepping (levels=1),
-    which has no error. The parameters' gradients and training's solvers are as they were
-    afterwards.
+    candidates too, and with `exact_passes` so is each setting with one pass stepped
+    exactly (on few ranks a sequential sweep can cost less than a solve's fixed costs); the
+    `trials` cheapest are measured in order of price (`probe_solves` on `like`, against
+    exact stepping's gradient); those whose error is at most TARGET * threshold (the margin
+    the controller keeps for other batches), and with `exact_passes` exact stepping itself
+    (levels=1, which has no error), are timed (`repeats` probes each, the fastest, averaged
+    over the ranks) and the fastest is returned; exact stepping where none meets it. Where
+    `ranks` is not the model's own, nothing can be timed: the cheapest by price that meets
+    the threshold is returned. `exact_passes=False` keeps every pass a hierarchy where one
+    meets the threshold (what MGRIT itself costs). The parameters' gradients and
+    training's solvers are as they were afterwards.
 
     Collective unless `calibration` is given and `threshold` is None: every rank gets the
     same options."""
@@ -106,18 +127,48 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
         calibration = calibrate(model, closure, repeats)
     base = Setting(forward.max_iter, backward.max_iter, levels)
     options = candidates(base, forward, backward, model.num_steps, most,
-                         fewer_cycles=threshold is not None)
+                         fewer_cycles=threshold is not None,
+                         exact_passes=threshold is not None and exact_passes)
     if not options:
         return forward, backward
     ranked = [s for _, s in cheapest(options, forward, backward, model.num_steps, ranks,
                                      calibration)]
     if threshold is None:
         return configs_of(ranked[0], forward, backward, levels)
+    exact_configs = configs_of(EXACT_SETTING, forward, backward, levels)
     exact, _, _ = probe_solves(model, closure, EXACT, EXACT)
+    timed = ranks == model.comm.size
+    met = [exact_configs] if timed and exact_passes else []
     for setting in ranked[:trials]:
         configs = configs_of(setting, forward, backward, levels, cold=True)
         gradients, _, _ = probe_solves(model, closure, *configs)
         error = gradient_agreement(model, gradients, exact)["overall"]["relative_error"]
         if error <= TARGET * threshold:
-            return configs
-    return configs_of(EXACT_SETTING, forward, backward, levels)
+            met.append(configs)
+            if not timed:
+                break
+    if not met:
+        return exact_configs
+    if not timed:
+        return met[0]
+    # the model leaves out a solve's fixed costs (its set-up, residual, reduction), which on
+    # few ranks decide between a hierarchy and a sequential sweep: the settings that meet
+    # the threshold, exact stepping among them, are timed on the model's own ranks, and the
+    # fastest is taken (the earlier in price order where two take the same time)
+    seconds = mean_over_ranks(model, [_solve_seconds(model, closure, configs, repeats)
+                                      for configs in met])
+    best = min(range(len(met)), key=lambda k: (seconds[k], k))
+    return met[best]
+
+
+def _solve_seconds(model: LayerParallel, closure: Callable[[], Tensor],
+                   configs: tuple[Config, Config], repeats: int) -> float:
+    """The seconds of a training step's two solves with `configs` on this rank: each
+    pass's fastest of `repeats` probes, after one that builds what the later ones reuse."""
+    best = [float("inf"), float("inf")]
+    for k in range(repeats + 1):
+        _, _, stats = probe_solves(model, closure, *configs)
+        if k > 0:
+            for i, kind in enumerate(("forward", "backward")):
+                best[i] = min(best[i], stats[kind]["seconds"])
+    return sum(best)

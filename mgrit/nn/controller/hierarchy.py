@@ -55,7 +55,7 @@ def configs_of(setting: Setting, forward: Config, backward: Config, base_levels:
     out = []
     for pass_, (base, cycles) in enumerate(((forward, setting.forward),
                                             (backward, setting.backward))):
-        if setting.exact:
+        if setting.steps_exactly(("forward", "backward")[pass_]):
             cfg = replace(base, levels=1, max_iter=1, tol=0.0, initial_guess="zero")
         else:
             levels = (min(setting.levels, base.levels) if setting.levels <= base_levels
@@ -94,13 +94,18 @@ def valid(setting: Setting, forward: Config, backward: Config, base_levels: int,
     a pass of no cycles starts nested."""
     if setting.exact:
         return True
-    for cycles, nested, base in ((setting.forward, setting.nested, forward),
-                                 (setting.backward, setting.nested_backward, backward)):
+    kinds = ("forward", "backward")
+    for kind, cycles, nested, base in ((kinds[0], setting.forward, setting.nested, forward),
+                                       (kinds[1], setting.backward, setting.nested_backward,
+                                        backward)):
         # no cycle at all is a solve only from a nested start (`Config`)
-        if cycles == 0 and (setting.warm or not (nested and starts_from_zero(base))):
+        if (cycles == 0 and not setting.steps_exactly(kind)
+                and (setting.warm or not (nested and starts_from_zero(base)))):
             return False
     longest = max(coarsest_stride(c, num_steps) for c in (forward, backward))
-    for cfg in configs_of(setting, forward, backward, base_levels):
+    for kind, cfg in zip(kinds, configs_of(setting, forward, backward, base_levels)):
+        if setting.steps_exactly(kind):
+            continue
         grids = build_hierarchy(num_steps, cfg.coarsening_list(), cfg.levels,
                                 cfg.min_coarse)
         if len(grids) < cfg.levels or grids[-1].stride > longest:

@@ -54,7 +54,10 @@ class Setting:
     `nested`, `nested_backward`: the forward (backward) solve starts from the coarse
     levels' solution (`initial_guess="nested"`) where it would start from zero: one coarse
     march more, and 0 cycles allowed (the start F-relaxed once); `choose_settings` takes
-    them where the measured error allows."""
+    them where the measured error allows. `exact_pass`: "forward" or "backward", that pass
+    steps exactly (levels 1, one sequential sweep, its cycles and start left aside) while
+    the other runs the hierarchy; `choose_settings` prices such settings beside the others
+    (on few ranks a sweep can cost less than a solve's fixed costs, and it has no error)."""
 
     forward: int
     backward: int
@@ -64,10 +67,20 @@ class Setting:
     coarse: str = ""
     nested: bool = False
     nested_backward: bool = False
+    exact_pass: str = ""
+
+    def __post_init__(self) -> None:
+        if self.exact_pass not in ("", "forward", "backward"):
+            raise ValueError(f"exact_pass must be '', 'forward' or 'backward', got "
+                             f"{self.exact_pass!r}")
 
     @property
     def exact(self) -> bool:
         return self.levels == 1
+
+    def steps_exactly(self, kind: str) -> bool:
+        """Whether the pass `kind` ("forward" or "backward") steps exactly."""
+        return self.exact or self.exact_pass == kind
 
     @property
     def label(self) -> str:
@@ -77,11 +90,12 @@ class Setting:
                 + (f" m{self.coarsening}" if self.coarsening else "")
                 + (f" {self.coarse}" if self.coarse else "") + (" warm" if self.warm else "")
                 + (" nested" if self.nested else "")
-                + (" nested-backward" if self.nested_backward else ""))
+                + (" nested-backward" if self.nested_backward else "")
+                + (f" exact-{self.exact_pass}" if self.exact_pass else ""))
 
     def as_list(self) -> list[Any]:
         return [self.forward, self.backward, self.levels, self.warm, self.coarsening,
-                self.coarse, self.nested, self.nested_backward]
+                self.coarse, self.nested, self.nested_backward, self.exact_pass]
 
 
 EXACT_SETTING = Setting(1, 1, 1)
