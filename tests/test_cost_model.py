@@ -462,8 +462,9 @@ def test_settings_that_step_one_pass_exactly_are_candidates_priced_as_sweeps():
 def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch):
     """Of the `trials` cheapest candidates, those whose gradient meets the threshold are
     timed beside exact stepping (here by a fixed clock) and the fastest is chosen: exact
-    stepping where it is the fastest, a setting with an exact pass where that is; a setting
-    that misses the threshold is never timed; `exact_passes=False` leaves exact passes out."""
+    stepping where it is the fastest or within MARGIN of it, a setting with an exact pass
+    where that is; a setting that misses the threshold is never timed; `exact_passes=False`
+    leaves exact passes out."""
     from mgrit.nn.controller import choose
     f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
     model, _ = build("dense", 64, f, b)
@@ -494,6 +495,16 @@ def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch)
                              exact_passes=False)
     assert all(c.levels > 1 for c in chosen)
     assert all(c.levels > 1 for pair in timed for c in pair)
+
+    # a setting within MARGIN of exact stepping's time does not replace it; a faster one does
+    for exact_seconds, levels in ((1.0 + 0.8 * choose.MARGIN, [1, 1]),
+                                  (1.0 + 1.5 * choose.MARGIN, [2, 2])):
+        def seconds(model, closure, configs, repeats, _exact=exact_seconds):
+            return _exact if configs[0].levels == 1 and configs[1].levels == 1 else (
+                1.0 if configs[0].levels > 1 and configs[1].levels > 1 else 9.0)
+        monkeypatch.setattr(choose, "_solve_seconds", seconds)
+        chosen = choose_settings(model, closure, calibration=cal, threshold=1e6)
+        assert [min(c.levels, 2) for c in chosen] == levels
 
     # nothing inexact meets 1e-12: only exact stepping is timed, and chosen
     timed.clear()

@@ -32,6 +32,11 @@ from .probe import EXACT, probe_solves
 # candidates measured at most, cheapest first, before exact stepping is taken
 TRIALS = 8
 
+# timed settings within this fraction of the fastest count as fast as it: the first of them
+# is taken (exact stepping, which has no error, then the cheapest by price), so that the
+# timing's noise on a shared machine does not trade exactness for nothing
+MARGIN = 0.05
+
 
 def _check(name: str, value: object, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -102,7 +107,8 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
     exact stepping's gradient); those whose error is at most TARGET * threshold (the margin
     the controller keeps for other batches), and with `exact_passes` exact stepping itself
     (levels=1, which has no error), are timed (`repeats` probes each, the fastest, averaged
-    over the ranks) and the fastest is returned; exact stepping where none meets it. Where
+    over the ranks) and the fastest is returned (of those within MARGIN of the fastest, exact
+    stepping, else the cheapest by price); exact stepping where none meets it. Where
     `ranks` is not the model's own, nothing can be timed: the cheapest by price that meets
     the threshold is returned. `exact_passes=False` keeps every pass a hierarchy where one
     meets the threshold (what MGRIT itself costs). The parameters' gradients and
@@ -153,12 +159,11 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
         return met[0]
     # the model leaves out a solve's fixed costs (its set-up, residual, reduction), which on
     # few ranks decide between a hierarchy and a sequential sweep: the settings that meet
-    # the threshold, exact stepping among them, are timed on the model's own ranks, and the
-    # fastest is taken (the earlier in price order where two take the same time)
+    # the threshold, exact stepping first, are timed on the model's own ranks
     seconds = mean_over_ranks(model, [_solve_seconds(model, closure, configs, repeats)
                                       for configs in met])
-    best = min(range(len(met)), key=lambda k: (seconds[k], k))
-    return met[best]
+    fast = min(seconds) * (1.0 + MARGIN)
+    return next(configs for configs, s in zip(met, seconds) if s <= fast)
 
 
 def _solve_seconds(model: LayerParallel, closure: Callable[[], Tensor],
