@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -114,32 +114,55 @@ def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
             "forward": median_seconds(forward_fn(serial, x), repeats)}
 
 
-def _timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None]
-           ) -> tuple[float, float]:
-    """(median, min) seconds of `repeats` calls of `fn` after one untimed call; `sync`
-    (a barrier of the ranks) before and after each. The minimum is the run least touched
-    by other work on a shared machine."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                 sync: Callable[[], None]) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds of `repeats` calls of each of `fns` after one untimed call
+    each, in rounds of one call of every fn, so that a slow spell of a shared machine falls
+    on every method alike rather than on the one timed then; `sync` (a barrier of the
+    ranks) before and after each call. The minimum is the call least touched by other
+    work."""
+    for fn in fns.values():
         fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
-def layer_parallel_times(work: TrainingWorkload, repeats: int, comm: Any = None,
-                         kernels: str | None = None) -> dict[str, Any]:
+class Timed(NamedTuple):
+    """A layer-parallel model to time: its training step and its forward pass."""
+
+    model: LayerParallel
+    step: Callable[[], None]
+    forward: Callable[[], None]
+
+
+def timed_model(work: TrainingWorkload, comm: Any = None, kernels: str | None = None
+                ) -> Timed:
+    """The workload's layer-parallel model, built with `kernels`, with its callables."""
     model, _ = build(work, comm=comm, kernels=kernels)
     x, y = work.inputs(torch.Generator().manual_seed(1))
+    return Timed(model, train_step_fn(model, work, x, y), forward_fn(model, x))
+
+
+def times_together(models: dict[str, Timed], repeats: int, comm: Any = None
+                   ) -> dict[str, dict[str, Any]]:
+    """Each model's training step, then its forward pass, timed in interleaved rounds
+    (`_interleaved`), with its solves' stats after its last training step."""
     barrier = comm.Barrier if comm is not None else (lambda: None)
-    step, step_min = _timed(train_step_fn(model, work, x, y), repeats, barrier)
-    stats = dict(model.stats)
-    forward, forward_min = _timed(forward_fn(model, x), repeats, barrier)
-    return {"train_step": step, "forward": forward, "stats": stats,
-            "min": {"train_step": step_min, "forward": forward_min}}
+    steps = _interleaved({name: m.step for name, m in models.items()}, repeats, barrier)
+    stats = {name: dict(m.model.stats) for name, m in models.items()}
+    forwards = _interleaved({name: m.forward for name, m in models.items()}, repeats,
+                            barrier)
+    return {name: {"train_step": steps[name][0], "forward": forwards[name][0],
+                   "stats": stats[name],
+                   "min": {"train_step": steps[name][1], "forward": forwards[name][1]}}
+            for name in models}
 
 
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
@@ -222,41 +245,41 @@ def _nested_label(forward: dict[str, Any], backward: dict[str, Any]) -> str:
     return " nested" if len(nested) == 2 else "".join(f" nested {kind}" for kind in nested)
 
 
-def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None
-                           ) -> dict[str, dict[str, Any]]:
-    """The layer-parallel model's times; for a network whose layers have native kernels
-    (convolutions, dense tanh steps) also with torch's kernels only (kernels="torch"),
-    which is how much of its speed those kernels give."""
-    out = {"layer-parallel mgrit": layer_parallel_times(work, repeats, comm),
-           SEQUENTIAL: layer_parallel_times(sequential_variant(work), repeats, comm)}
+def method_models(work: TrainingWorkload, comm: Any = None) -> dict[str, Timed]:
+    """The layer-parallel model with the workload's setting and stepped sequentially; for
+    a network whose layers have native kernels (convolutions, dense tanh steps) also with
+    torch's kernels only (kernels="torch"), which is how much of its speed those kernels
+    give."""
+    out = {"layer-parallel mgrit": timed_model(work, comm),
+           SEQUENTIAL: timed_model(sequential_variant(work), comm)}
     step = work.network().step()
     if is_dense_tanh(step) or any(isinstance(m, nn.Conv2d) for m in step.modules()):
-        out[TORCH_KERNELS] = layer_parallel_times(work, repeats, comm, kernels="torch")
+        out[TORCH_KERNELS] = timed_model(work, comm, kernels="torch")
     return out
 
 
-def chosen_times(work: TrainingWorkload, repeats: int, comm: Any = None
-                 ) -> dict[str, dict[str, Any]]:
-    """The times of the settings chosen for the workload on the ranks of `comm`
-    (`chosen_variant`), without and with exact passes among the choices, with their
-    options, in `layer_parallel_methods`' form."""
-    out = {}
-    for method, exact_passes in CHOSEN_METHODS.items():
-        chosen = chosen_variant(work, comm, exact_passes)
-        out[method] = {**layer_parallel_times(chosen, repeats, comm),
-                       "hierarchy": hierarchy(chosen)}
-    return out
+def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = None
+                           ) -> dict[str, dict[str, Any]]:
+    """The times of `method_models`, timed together."""
+    return times_together(method_models(work, comm), repeats, comm)
 
 
 def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None
                 ) -> dict[str, dict[str, Any]]:
-    """`layer_parallel_methods` with the chosen settings' rows after the workload's own
-    setting's."""
-    methods = layer_parallel_methods(work, repeats, comm)
-    chosen = chosen_times(work, repeats, comm)
+    """`layer_parallel_methods` and the settings chosen for the workload on the ranks of
+    `comm` (`chosen_variant`, without and with exact passes among the choices, their rows
+    after the workload's own setting's, with their options), all timed together."""
+    chosen = {method: chosen_variant(work, comm, exact_passes)
+              for method, exact_passes in CHOSEN_METHODS.items()}
+    methods = method_models(work, comm)
     first = "layer-parallel mgrit"
-    return {first: methods[first], **chosen,
-            **{k: v for k, v in methods.items() if k != first}}
+    models = {first: methods[first],
+              **{method: timed_model(w, comm) for method, w in chosen.items()},
+              **{k: v for k, v in methods.items() if k != first}}
+    out = times_together(models, repeats, comm)
+    for method, w in chosen.items():
+        out[method]["hierarchy"] = hierarchy(w)
+    return out
 
 
 def baseline_times(work: TrainingWorkload, repeats: int, comm: Any
