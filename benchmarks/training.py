@@ -114,23 +114,29 @@ def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
             "forward": median_seconds(forward_fn(serial, x), repeats)}
 
 
+# timed calls of one method in a row within a round of `_interleaved`
+BLOCK = 6
+
+
 def _interleaved(fns: dict[str, Callable[[], object]], repeats: int,
                  sync: Callable[[], None]) -> dict[str, tuple[float, float]]:
-    """(median, min) seconds of `repeats` calls of each of `fns` after one untimed call
-    each, in rounds of one call of every fn, so that a slow spell of a shared machine falls
-    on every method alike rather than on the one timed then; `sync` (a barrier of the
-    ranks) before and after each call. The minimum is the call least touched by other
-    work."""
-    for fn in fns.values():
-        fn()
+    """(median, min) seconds of `repeats` calls of each of `fns`, in rounds: each round
+    runs every fn once untimed, then up to BLOCK timed calls of it, so that a slow spell of
+    a shared machine falls on every method alike rather than on the one timed then, while
+    each timed call finds the caches as its own previous call left them (one call after
+    another method's, with the other model's weights in the caches, was 2.5x slower for
+    W2's forward pass on 2 ranks); `sync` (a barrier of the ranks) before and after each
+    call. The minimum is the call least touched by other work."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    while any(len(t) < repeats for t in times.values()):
         for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
             fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(min(BLOCK, repeats - len(times[name]))):
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
