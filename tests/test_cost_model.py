@@ -344,9 +344,9 @@ def _timed_by_price(monkeypatch, cal: Calibration, num_steps: int, log: list) ->
     (logged in `log`): a choice among timed settings that does not depend on the machine."""
     from mgrit.nn.controller import choose
 
-    def seconds(model, closure, configs, repeats):
-        log.append(configs)
-        return step_seconds(*configs, num_steps, model.comm.size, cal)
+    def seconds(model, closure, settings, repeats):
+        log.extend(settings)
+        return [step_seconds(*configs, num_steps, model.comm.size, cal) for configs in settings]
     monkeypatch.setattr(choose, "_solve_seconds", seconds)
 
 
@@ -474,9 +474,9 @@ def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch)
     timed = []
 
     def clock(fast):
-        def seconds(model, closure, configs, repeats):
-            timed.append(configs)
-            return 1.0 if fast(configs) else 2.0
+        def seconds(model, closure, settings, repeats):
+            timed.extend(settings)
+            return [1.0 if fast(configs) else 2.0 for configs in settings]
         monkeypatch.setattr(choose, "_solve_seconds", seconds)
 
     clock(lambda c: c[0].levels == 1 and c[1].levels == 1)
@@ -499,9 +499,9 @@ def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch)
     # a setting within MARGIN of exact stepping's time does not replace it; a faster one does
     for exact_seconds, levels in ((1.0 + 0.8 * choose.MARGIN, [1, 1]),
                                   (1.0 + 1.5 * choose.MARGIN, [2, 2])):
-        def seconds(model, closure, configs, repeats, _exact=exact_seconds):
-            return _exact if configs[0].levels == 1 and configs[1].levels == 1 else (
-                1.0 if configs[0].levels > 1 and configs[1].levels > 1 else 9.0)
+        def seconds(model, closure, settings, repeats, _exact=exact_seconds):
+            return [_exact if c[0].levels == 1 and c[1].levels == 1 else (
+                1.0 if c[0].levels > 1 and c[1].levels > 1 else 9.0) for c in settings]
         monkeypatch.setattr(choose, "_solve_seconds", seconds)
         chosen = choose_settings(model, closure, calibration=cal, threshold=1e6)
         assert [min(c.levels, 2) for c in chosen] == levels
@@ -512,3 +512,30 @@ def test_the_choice_is_the_fastest_setting_that_meets_the_threshold(monkeypatch)
     assert [c.levels for c in choose_settings(model, closure, calibration=cal,
                                               threshold=1e-12)] == [1, 1]
     assert [[c.levels for c in pair] for pair in timed] == [[1, 1]]
+
+
+def test_settings_are_timed_in_turns_and_leave_training_as_it_was(monkeypatch):
+    """`_solve_seconds` probes the settings in rounds, each timed probe after an untimed
+    one of the same settings, and gives each the sum of its passes' fastest seconds; the
+    parameters' gradients and training's options are as they were."""
+    from mgrit.nn.controller import choose
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    x, y = data("dense", 8)
+    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    closure().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    exact = configs_of(EXACT_SETTING, f, b, 3)
+    nested = configs_of(Setting(0, 0, 2, coarsening=8, nested=True, nested_backward=True),
+                        f, b, 3, cold=True)
+    order, probe = [], choose.probe_solves
+
+    def logged(model, closure, forward, backward):
+        order.append(forward.levels)
+        return probe(model, closure, forward, backward)
+    monkeypatch.setattr(choose, "probe_solves", logged)
+    seconds = choose._solve_seconds(model, closure, [exact, nested], 2)
+    assert order == [1, 1, 2, 2] * 2
+    assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert (model.forward_config, model.backward_config) == (f, b)

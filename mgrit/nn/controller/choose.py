@@ -106,8 +106,8 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
     `trials` cheapest are measured in order of price (`probe_solves` on `like`, against
     exact stepping's gradient); those whose error is at most TARGET * threshold (the margin
     the controller keeps for other batches), and with `exact_passes` exact stepping itself
-    (levels=1, which has no error), are timed (`repeats` probes each, the fastest, averaged
-    over the ranks) and the fastest is returned (of those within MARGIN of the fastest, exact
+    (levels=1, which has no error), are timed (`repeats` probes each, taking turns, the
+    fastest, averaged over the ranks) and the fastest is returned (of those within MARGIN of the fastest, exact
     stepping, else the cheapest by price); exact stepping where none meets it. Where
     `ranks` is not the model's own, nothing can be timed: the cheapest by price that meets
     the threshold is returned. `exact_passes=False` keeps every pass a hierarchy where one
@@ -160,20 +160,24 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
     # the model leaves out a solve's fixed costs (its set-up, residual, reduction), which on
     # few ranks decide between a hierarchy and a sequential sweep: the settings that meet
     # the threshold, exact stepping first, are timed on the model's own ranks
-    seconds = mean_over_ranks(model, [_solve_seconds(model, closure, configs, repeats)
-                                      for configs in met])
+    seconds = mean_over_ranks(model, _solve_seconds(model, closure, met, repeats))
     fast = min(seconds) * (1.0 + MARGIN)
     return next(configs for configs, s in zip(met, seconds) if s <= fast)
 
 
 def _solve_seconds(model: LayerParallel, closure: Callable[[], Tensor],
-                   configs: tuple[Config, Config], repeats: int) -> float:
-    """The seconds of a training step's two solves with `configs` on this rank: each
-    pass's fastest of `repeats` probes, after one that builds what the later ones reuse."""
-    best = [float("inf"), float("inf")]
-    for k in range(repeats + 1):
-        _, _, stats = probe_solves(model, closure, *configs)
-        if k > 0:
+                   settings: list[tuple[Config, Config]], repeats: int) -> list[float]:
+    """The seconds of a training step's two solves with each of `settings` on this rank:
+    each pass's fastest of `repeats` probes. The settings take turns, `repeats` rounds of
+    one probe each, so that a slow spell of a shared machine falls on all of them rather
+    than on the one timed then; each timed probe follows an untimed one of its own
+    settings, which builds the solvers after a change of options and leaves the caches as
+    that setting uses them."""
+    best = [[float("inf"), float("inf")] for _ in settings]
+    for _ in range(repeats):
+        for k, configs in enumerate(settings):
+            probe_solves(model, closure, *configs)
+            _, _, stats = probe_solves(model, closure, *configs)
             for i, kind in enumerate(("forward", "backward")):
-                best[i] = min(best[i], stats[kind]["seconds"])
-    return sum(best)
+                best[k][i] = min(best[k][i], stats[kind]["seconds"])
+    return [sum(pair) for pair in best]
