@@ -539,3 +539,36 @@ def test_settings_are_timed_in_turns_and_leave_training_as_it_was(monkeypatch):
     assert len(seconds) == 2 and all(0 < s < 10 for s in seconds)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert (model.forward_config, model.backward_config) == (f, b)
+
+
+def test_a_controller_trains_on_from_settings_with_an_exact_pass():
+    """Settings with an exact forward pass, as `choose_settings` may return, train under a
+    controller that probes every step: its moves keep the forward pass exact (a setting
+    names fewer levels than those options have only by going exact everywhere), every probe
+    measures an error, and the gradient at the end matches serial autograd's to within the
+    threshold the controller keeps."""
+    from benchmarks.training import gradient_agreement, gradient_pairs
+    from mgrit.app.loop import train_step
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    setting = Setting(1, 0, 2, coarsening=8, nested_backward=True, exact_pass="forward")
+    forward, backward = configs_of(setting, f, b, 3, cold=True)
+    model, serial = build("dense", 64, forward, backward)
+    x, y = data("dense", 8)
+    loss_fn = torch.nn.functional.cross_entropy
+    # priced for 64 ranks, where exact stepping costs a march through every rank
+    controller = Controller(model, every=1, max_every=1, ranks=64,
+                            calibration=Calibration(Units(2e-5, 1e-7, 2e-6),
+                                                    Units(3e-5, 2e-7, 3e-6)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(4):
+        train_step(model, optimizer, loss_fn, x, y, control=controller)
+        assert model.forward_config.levels == 1 and model.backward_config.levels >= 2
+        assert 0 <= controller.last["probe"]["error"] < 1
+    # the step's gradient against serial autograd's at the same weights
+    serial.load_state_dict(model.to_serial().state_dict())
+    model.zero_grad()
+    serial.zero_grad()
+    loss_fn(model(x), y).backward()
+    loss_fn(serial(x), y).backward()
+    error = gradient_agreement(gradient_pairs(model, serial))["relative_error"]
+    assert error <= controller.policy.threshold
