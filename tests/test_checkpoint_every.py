@@ -61,3 +61,24 @@ def test_an_interrupt_names_a_checkpoint_within_an_epoch(tmp_path):
     assert kept(tmp_path) == f"kept: {tmp_path / 'checkpoint-0001-step000006'} (step 6 of epoch 2)"
     (tmp_path / "latest").write_text("checkpoint-0002")
     assert kept(tmp_path) == f"kept: {tmp_path / 'checkpoint-0002'} (the last completed epoch)"
+
+
+def test_a_run_that_chooses_its_solvers_resumes_with_them(tmp_path):
+    """`--choose`: a new run trains with the options `choose_settings` picked on its first
+    batch (a "choice" record first in its metrics, a line on stdout); a resume does not
+    choose again but takes them from the checkpoint, so that it continues exactly."""
+    out = tmp_path / "run"
+    proc = mgrit("train", *TINY, "--choose", "--epochs", "2", "--checkpoint-every", "3",
+                 "--out", str(out))
+    assert "solver options chosen on the first batch: forward " in proc.stdout
+    whole = _without_times(out)
+    choice = whole[0]
+    assert choice["type"] == "choice" and choice["epoch"] == 0
+    assert {"levels", "max_iter", "initial_guess"} <= choice["forward"].keys()
+    assert [r["type"] for r in whole].count("choice") == 1
+    (out / "latest").write_text("checkpoint-0001-step000006")
+    (out / "model.pt").unlink()
+    proc = mgrit("train", *TINY, "--choose", "--epochs", "2", "--out", str(out), "--resume")
+    assert "chosen on the first batch" not in proc.stdout
+    # the resumed steps repeat the first run's: the same options, the same records
+    assert _without_times(out) == whole

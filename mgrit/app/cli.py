@@ -76,6 +76,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, serial: bool = True)
     parser.add_argument("--no-control", action="store_true", help="keep the solvers' cycles "
                         "and levels fixed: no probes of the gradients' error ([control] "
                         "enabled = false)")
+    parser.add_argument("--choose", action="store_true", help="before the first step, "
+                        "train with the solver options mgrit.nn.choose_settings picks on the "
+                        "first batch within the threshold, timed against exact stepping "
+                        "([control] choose = true)")
     parser.add_argument("--verbose", action="store_true", help="every rank logs its steps")
 
 
@@ -91,6 +95,7 @@ def settings_from(args: argparse.Namespace) -> Any:
     flags = {"serial": ("training", "serial", True), "no_progress": ("output", "progress", False),
              "no_checkpoint": ("output", "checkpoint", False),
              "no_control": ("control", "enabled", False),
+             "choose": ("control", "choose", True),
              "verbose": ("output", "verbose", True), "overwrite": ("output", "overwrite", True)}
     for attr, (section, key, value) in flags.items():
         if getattr(args, attr, False):

@@ -11,7 +11,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..nn import Controller, LayerParallel, draws, serial_resnet
+from ..core.config import Config
+from ..nn import Controller, LayerParallel, choose_settings, draws, serial_resnet
 from ..nn.engine.atomic import write_atomically
 from ..nn.blocks import ResNetSpec
 from .loop import LossFn, train_step
@@ -32,6 +33,14 @@ class TrainedModel(Protocol):
 
     def controller(self, control: ControlSettings) -> Controller | None:
         """The [control] controller of this network, or None."""
+
+    def choose(self, control: ControlSettings, loss_fn: LossFn, xb: Tensor, yb: Tensor
+               ) -> tuple[Config, Config] | None:
+        """[control] choose: train with the solver options chosen on the batch (xb, yb),
+        which it returns; None where the network has no solvers. Collective."""
+
+    def set_solvers(self, forward: Config, backward: Config) -> None:
+        """Train with these solver options (those a resumed run's checkpoint names)."""
 
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None
@@ -68,6 +77,13 @@ class SerialModel:
 
     def controller(self, control: ControlSettings) -> Controller | None:
         return None       # it tunes the MGRIT solvers, which a serial network has none of
+
+    def choose(self, control: ControlSettings, loss_fn: LossFn, xb: Tensor, yb: Tensor
+               ) -> tuple[Config, Config] | None:
+        return None
+
+    def set_solvers(self, forward: Config, backward: Config) -> None:
+        raise SettingsError("a serial network has no solver options to set")
 
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None
@@ -127,6 +143,18 @@ class LayerParallelModel:
             return None
         return Controller(self.module, control.threshold, control.every, control.max_every,
                           control.max_cycles, control.batching or None, control.warm)
+
+    def choose(self, control: ControlSettings, loss_fn: LossFn, xb: Tensor, yb: Tensor
+               ) -> tuple[Config, Config] | None:
+        module = self.module
+        module.train()
+        forward, backward = choose_settings(module, lambda: loss_fn(module(xb), yb),
+                                            threshold=control.threshold)
+        module.set_solvers(forward, backward)
+        return forward, backward
+
+    def set_solvers(self, forward: Config, backward: Config) -> None:
+        self.module.set_solvers(forward, backward)
 
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None

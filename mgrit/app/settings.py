@@ -91,6 +91,10 @@ class ControlSettings:
     # batch at the first probe (`mgrit.nn.calibrate`), kept in checkpoints
     batching: float = 0.0
     warm: bool = True               # try warm starts; kept where they cut the error
+    # before the first step, train with the solver options `mgrit.nn.choose_settings` picks
+    # on the first batch within `threshold` (timed against exact stepping, either pass
+    # exact included); a resumed run keeps the options its checkpoint was written with
+    choose: bool = False
 
 
 def _solver_defaults(direction: str) -> dict[str, Any]:

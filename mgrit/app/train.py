@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.config import Config
 from ..nn.engine.atomic import AppendedFile, WriteError, write_atomically
 from . import data as datasets
 from .collective import agreed, on_rank_zero
@@ -68,6 +69,19 @@ def steps_per_epoch(settings: Settings, split: datasets.Split) -> int:
     return steps
 
 
+def _plain(config: Config) -> dict[str, Any]:
+    """Solver options as a metrics record holds them (per-level values as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.describe().items()}
+
+
+def _summary(config: Config) -> str:
+    """'exact (one sweep)', or the levels, coarsening, cycles and start of a hierarchy."""
+    if config.levels == 1:
+        return "exact (one sweep)"
+    return (f"{config.levels} levels, coarsening {config.coarsening}, {config.max_iter} "
+            f"cycle(s) from a {config.initial_guess} start")
+
+
 class Run:
     """One `mgrit train` run on the ranks of `world` (an mpi4py communicator, or None)."""
 
@@ -100,11 +114,17 @@ class Run:
         torch.manual_seed(t.seed)
         self.model = build_model(settings, network_for(settings, self.split), comm,
                                  self.data_comm)
+        self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
+                        else nn.functional.cross_entropy)
+        # [control] choose: a new run's solver options, picked before its first step (a
+        # resumed run takes them from its checkpoint)
+        self.chosen: tuple[Config, Config] | None = None
+        self.choice: dict[str, Any] | None = None      # its metrics record
+        if settings.control.choose and not resume:
+            self._choose()
         self.controller = self.model.controller(settings.control)
         self.optimizer = make_optimizer(settings, self.model.module.parameters())
         self.generator = torch.Generator().manual_seed(t.seed)
-        self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
-                        else nn.functional.cross_entropy)
         self.start_epoch = 1
         self.partial: dict[str, Any] | None = None   # where a checkpoint within an epoch was
         self.resuming = resume
@@ -112,6 +132,25 @@ class Run:
         on_rank_zero(world, lambda: prepare_output(self.out, resume, overwrite))
         if resume:
             self._resume(reset_optimizer)
+
+    def _choose(self) -> None:
+        """Train with the solver options `choose_settings` picks on the run's first batch
+        (drawn from a generator of its own: the run's data order stays as it was)."""
+        t = self.settings.training
+        xb, yb = next(iter(batches(self.split.x_train, self.split.y_train, t.batch_size,
+                                   torch.Generator().manual_seed(t.seed))))
+        xb, yb = self._batch_part(xb, yb)
+        start = time.perf_counter()
+        chosen = self.model.choose(self.settings.control, self.loss_fn, xb, yb)
+        if chosen is None:
+            return
+        self.chosen = chosen
+        self.choice = {"type": "choice", "epoch": 0,
+                       "forward": _plain(chosen[0]), "backward": _plain(chosen[1]),
+                       "seconds": time.perf_counter() - start}
+        if self.rank == 0:
+            sys.stdout.write(f"solver options chosen on the first batch: forward "
+                             f"{_summary(chosen[0])}; backward {_summary(chosen[1])}\n")
 
     # checkpoints --------------------------------------------------------------------------
     def _resume(self, reset_optimizer: bool) -> None:
@@ -132,6 +171,13 @@ class Run:
         # the random draws of the next training step (checkpoints of earlier runs, whose
         # networks had none, lack the count)
         self.model.draw_step = int(extra.get("draw_step", 0))
+        solvers = extra.get("solvers")
+        if solvers is not None:
+            # the options the run chose before its first step; the controller starts from
+            # them, as it did in that run
+            self.chosen = (Config(**solvers["forward"]), Config(**solvers["backward"]))
+            self.model.set_solvers(*self.chosen)
+            self.controller = self.model.controller(self.settings.control)
         # the controller decides on as it would have (a checkpoint of a run without one, or
         # of an earlier version, starts it afresh)
         if self.controller is not None and "control" in extra:
@@ -157,6 +203,9 @@ class Run:
                  "draw_step": self.model.draw_step, "partial": partial}
         if self.controller is not None:
             extra["control"] = self.controller.state_dict()
+        if self.chosen is not None:
+            extra["solvers"] = {"forward": self.chosen[0].describe(),
+                                "backward": self.chosen[1].describe()}
         try:
             self.model.save(tmp, self.optimizer, extra)
         except WriteError as err:   # the earlier checkpoint stays `latest`
@@ -201,6 +250,8 @@ class Run:
         # checkpoint's epoch when it was loaded)
         mode = "a" if self.resuming else "w"
         metrics = AppendedFile(self.out / "metrics.jsonl", mode) if self.rank == 0 else None
+        if metrics is not None and self.choice is not None:
+            metrics.write(json.dumps(self.choice) + "\n")
         summary: dict[str, Any] = {}
         try:
             for epoch in range(self.start_epoch, t.epochs + 1):
