@@ -339,6 +339,17 @@ def test_a_hierarchy_move_trains_as_a_model_built_with_those_options():
 
 # choosing with a measured error -----------------------------------------------------------
 
+def _dense_with_a_gradient():
+    """Training options of 3 levels, m = 4, a 64-layer dense model built with them, the
+    closure of its loss on a batch, and the gradients of one backward pass, which it holds."""
+    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
+    model, _ = build("dense", 64, f, b)
+    x, y = data("dense", 8)
+    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    closure().backward()
+    return f, b, model, closure, [p.grad.clone() for p in model.parameters()]
+
+
 def _timed_by_price(monkeypatch, cal: Calibration, num_steps: int, log: list) -> None:
     """`choose_settings` times its settings by their model price instead of the clock
     (logged in `log`): a choice among timed settings that does not depend on the machine."""
@@ -358,12 +369,8 @@ def test_a_chosen_setting_meets_the_threshold_against_serial_autograd(monkeypatc
     cycles). The parameters' gradients and the model's options are as they were."""
     from benchmarks.training import gradient_agreement, gradient_pairs
     from mgrit.nn.controller import TARGET
-    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
-    model, _ = build("dense", 64, f, b)
+    f, b, model, closure, grads = _dense_with_a_gradient()
     x, y = data("dense", 8)
-    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
-    closure().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
     cal = Calibration(Units(2e-5, 1e-7, 2e-6), Units(3e-5, 2e-7, 3e-6))
     _timed_by_price(monkeypatch, cal, 64, [])
     chosen = choose_settings(model, closure, calibration=cal, threshold=0.25,
@@ -519,12 +526,7 @@ def test_settings_are_timed_in_turns_and_leave_training_as_it_was(monkeypatch):
     one of the same settings, and gives each the sum of its passes' fastest seconds; the
     parameters' gradients and training's options are as they were."""
     from mgrit.nn.controller import choose
-    f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
-    model, _ = build("dense", 64, f, b)
-    x, y = data("dense", 8)
-    closure = lambda: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
-    closure().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    f, b, model, closure, grads = _dense_with_a_gradient()
     exact = configs_of(EXACT_SETTING, f, b, 3)
     nested = configs_of(Setting(0, 0, 2, coarsening=8, nested=True, nested_backward=True),
                         f, b, 3, cold=True)
