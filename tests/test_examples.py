@@ -30,6 +30,14 @@ def test_train_digits_example():
 
 
 @pytest.mark.slow
+def test_train_digits_example_chooses_its_solvers():
+    out = run(EXAMPLES / "train_digits.py", "--epochs", "1", "--choose", ranks=2)
+    lines = out.splitlines()
+    assert lines[0].startswith("chosen: forward levels=") and lines[1].startswith("epoch 1:")
+    assert "exported serial network" in lines[-1]
+
+
+@pytest.mark.slow
 def test_heat_example_matches_sequential_stepping():
     out = run(EXAMPLES / "heat_parallel_in_time.py")
     diff = float(out.splitlines()[-1].split("= ")[1].split(";")[0])
