@@ -116,13 +116,6 @@ class Run:
                                  self.data_comm)
         self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
                         else nn.functional.cross_entropy)
-        # [control] choose: a new run's solver options, picked before its first step (a
-        # resumed run takes them from its checkpoint)
-        self.chosen: tuple[Config, Config] | None = None
-        self.choice: dict[str, Any] | None = None      # its metrics record
-        if settings.control.choose and not resume:
-            self._choose()
-        self.controller = self.model.controller(settings.control)
         self.optimizer = make_optimizer(settings, self.model.module.parameters())
         self.generator = torch.Generator().manual_seed(t.seed)
         self.start_epoch = 1
@@ -130,6 +123,14 @@ class Run:
         self.resuming = resume
         overwrite = settings.output.overwrite
         on_rank_zero(world, lambda: prepare_output(self.out, resume, overwrite))
+        # [control] choose: a new run's solver options, picked before its first step, once
+        # its output directory is known to be its own (a resumed run takes them from its
+        # checkpoint)
+        self.chosen: tuple[Config, Config] | None = None
+        self.choice: dict[str, Any] | None = None      # its metrics record
+        if settings.control.choose and not resume:
+            self._choose()
+        self.controller = self.model.controller(settings.control)
         if resume:
             self._resume(reset_optimizer)
 
