@@ -546,9 +546,9 @@ def test_settings_are_timed_in_turns_and_leave_training_as_it_was(monkeypatch):
 def test_a_controller_trains_on_from_settings_with_an_exact_pass():
     """Settings with an exact forward pass, as `choose_settings` may return, train under a
     controller that probes every step: its moves keep the forward pass exact (a setting
-    names fewer levels than those options have only by going exact everywhere), every probe
-    measures an error, and the gradient at the end matches serial autograd's to within the
-    threshold the controller keeps."""
+    names fewer levels than those options have only by going exact everywhere) and its
+    setting says so, every probe measures an error, and the gradient at the end matches
+    serial autograd's to within the threshold the controller keeps."""
     from benchmarks.training import gradient_agreement, gradient_pairs
     from mgrit.app.loop import train_step
     f, b = training_config("forward", 3, 4), training_config("backward", 3, 4)
@@ -562,10 +562,12 @@ def test_a_controller_trains_on_from_settings_with_an_exact_pass():
                             calibration=Calibration(Units(2e-5, 1e-7, 2e-6),
                                                     Units(3e-5, 2e-7, 3e-6)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    assert controller.setting.exact_pass == "forward"
     for _ in range(4):
         train_step(model, optimizer, loss_fn, x, y, control=controller)
         assert model.forward_config.levels == 1 and model.backward_config.levels >= 2
         assert 0 <= controller.last["probe"]["error"] < 1
+        assert controller.last["setting"].endswith("exact-forward")
     # the step's gradient against serial autograd's at the same weights
     serial.load_state_dict(model.to_serial().state_dict())
     model.zero_grad()

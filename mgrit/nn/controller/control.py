@@ -110,9 +110,13 @@ class Controller:
         f, b = self.forward_config, self.backward_config
         self.base_levels = max(f.levels, b.levels)
         shape = uniform(f) if uniform(f) == uniform(b) else None
+        # options that step one pass exactly and solve the other (as `choose_settings` may
+        # give) name that pass, so that the setting's label says so
+        exact = [kind for kind, c in (("forward", f), ("backward", b)) if c.levels == 1]
         self.base = Setting(f.max_iter, b.max_iter, self.base_levels,
                             all(c.initial_guess == "warm" for c in (f, b)),
-                            *(shape if hierarchies and shape is not None else ()))
+                            *(shape if hierarchies and shape is not None else ()),
+                            exact_pass=exact[0] if len(exact) == 1 else "")
         moves = None
         if hierarchies and shape is not None:
             moves = Moves(self.base_levels + 1,
