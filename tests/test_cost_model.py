@@ -576,3 +576,19 @@ def test_a_controller_trains_on_from_settings_with_an_exact_pass():
     loss_fn(serial(x), y).backward()
     error = gradient_agreement(gradient_pairs(model, serial))["relative_error"]
     assert error <= controller.policy.threshold
+
+
+def test_the_cheapest_exact_pass_settings_are_measured_even_past_the_trials():
+    """Where settings are timed, the cheapest with the forward and the cheapest with the
+    backward pass exact are measured even when the model ranks them past `trials`: it
+    leaves out the fixed costs an exact pass saves. Untimed, only the trials are."""
+    from mgrit.nn.controller.choose import _trials
+    plain = [Setting(1, 1, 2, coarsening=m) for m in (2, 4, 8)]
+    forward = [Setting(1, 0, 2, coarsening=m, exact_pass="forward") for m in (4, 8)]
+    backward = [Setting(1, 1, 2, coarsening=m, exact_pass="backward") for m in (4, 8)]
+    ranked = plain + [forward[0], backward[0], forward[1], backward[1]]
+    assert _trials(ranked, 2, timed=True) == plain[:2] + [forward[0], backward[0]]
+    assert _trials(ranked, 2, timed=False) == plain[:2]
+    # one of each among the trials already: nothing is added
+    assert _trials(ranked, 5, timed=True) == ranked[:5]
+    assert _trials(ranked, 4, timed=True) == ranked[:4] + [backward[0]]
