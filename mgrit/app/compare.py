@@ -18,7 +18,7 @@ from ..core.cycle import DivergenceError, solve
 from ..nn.defaults import training_options
 from ..problems import Dahlquist, Heat1D, ModuleResNet
 from .outputs import refuse_used
-from .settings import Settings
+from .settings import Settings, plain_options
 from .train import Run
 
 
@@ -220,8 +220,7 @@ def deep_settings(settings: Settings, steps: int, levels: int = DEEP_LEVELS,
     s.control.enabled = False
     for direction in ("forward", "backward"):
         options = training_options(direction, levels, coarsening)
-        setattr(s, direction, {key: list(value) if isinstance(value, tuple) else value
-                               for key, value in options.items()})
+        setattr(s, direction, plain_options(options))
     return s
 
 

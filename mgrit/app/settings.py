@@ -97,14 +97,14 @@ class ControlSettings:
     choose: bool = False
 
 
-def _solver_defaults(direction: str) -> dict[str, Any]:
-    """Training's solver options (mgrit.nn.defaults) as settings hold them: per-level
-    values as lists, as a TOML, YAML or JSON file writes them."""
+def plain_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Solver options as settings and metrics records hold them: per-level values as
+    lists, as a TOML, YAML or JSON file writes them."""
     return {key: list(value) if isinstance(value, tuple) else value
-            for key, value in training_options(direction).items()}
+            for key, value in options.items()}
 
 
-SOLVER_DEFAULTS = {direction: _solver_defaults(direction)
+SOLVER_DEFAULTS = {direction: plain_options(training_options(direction))
                    for direction in ("forward", "backward")}
 SOLVER_KEYS = tuple(f.name for f in fields(Config))
 

@@ -27,7 +27,7 @@ from .progress import Progress
 from .records import probe_record, step_fields, step_record
 from .resuming import checkpoint_name, data_parallel_refusal, not_written, resume_notice, \
     truncate_metrics
-from .settings import Settings, SettingsError, check
+from .settings import Settings, SettingsError, check, plain_options
 
 log = logging.getLogger("mgrit.train")
 
@@ -67,11 +67,6 @@ def steps_per_epoch(settings: Settings, split: datasets.Split) -> int:
         raise SettingsError(f"[output] trace = {trace}: the first epoch has {steps} steps; "
                             "at most steps - 1 are traced (the first step is a warm-up)")
     return steps
-
-
-def _plain(config: Config) -> dict[str, Any]:
-    """Solver options as a metrics record holds them (per-level values as lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.describe().items()}
 
 
 def _summary(config: Config) -> str:
@@ -147,7 +142,8 @@ class Run:
             return
         self.chosen = chosen
         self.choice = {"type": "choice", "epoch": 0,
-                       "forward": _plain(chosen[0]), "backward": _plain(chosen[1]),
+                       "forward": plain_options(chosen[0].describe()),
+                       "backward": plain_options(chosen[1].describe()),
                        "seconds": time.perf_counter() - start}
         if self.rank == 0:
             sys.stdout.write(f"solver options chosen on the first batch: forward "
