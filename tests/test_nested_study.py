@@ -58,6 +58,16 @@ def test_options_survive_the_launch_arguments():
     assert work.backward.levels == 3 and work.backward.coarsening == 8
 
 
+@pytest.mark.parametrize("ranks, layers", [(1, 1024), (64, 16), (1000, 2)])
+def test_a_ranks_share_is_stepped_exactly(ranks, layers):
+    """The study's bound steps the most layers a rank holds (rounded up), exactly."""
+    assert nested.share_layers("w2", ranks) == layers
+    work = nested.share_work("w2", ranks)
+    model, _ = build(work)
+    assert model.num_steps == layers
+    assert work.forward.levels == work.backward.levels == 1
+
+
 def test_unknown_case_is_refused():
     with pytest.raises(ValueError, match="w2, w1-1024"):
         nested.work_of("w3")

@@ -102,16 +102,32 @@ def choose(name: str, ranks: int, threshold: float) -> dict[str, Any]:
             "gradient_error": gradient_error(work_of(name, options))}
 
 
-def one_rank(name: str, options: Options, repeats: int, warmup: int) -> dict[str, float]:
-    """Measured training steps on one rank of sequential stepping and of the chosen
-    setting: each `repeats` steps back to back after `warmup` (fastest of them), the two in
-    turn. Steps of the other model in between would evict this one's weights and states
-    from the caches: W2's chosen step takes 1.7x as long so."""
+def share_layers(name: str, ranks: int) -> int:
+    """The layers of the rank that holds the most of the case's network on `ranks` ranks."""
+    return -(-CASES[name].num_steps // ranks)
+
+
+def share_work(name: str, ranks: int) -> TrainingWorkload:
+    """Sequential stepping through a rank's share of the case's layers at `ranks` ranks."""
+    return sequential_variant(CASES[name].work(num_steps=share_layers(name, ranks)))
+
+
+def one_rank(name: str, options: Options, repeats: int, warmup: int, ranks: int
+             ) -> dict[str, float]:
+    """Measured training steps on one rank of sequential stepping, of the chosen setting
+    and (`share`) of sequential stepping through a rank's share of the layers at `ranks`
+    ranks, the same network cut to `share_layers`: what a step on `ranks` ranks would take
+    with no MGRIT work and no message, as every step's fixed costs (the passes' set-up,
+    the loss, autograd, the update) stay. Each `repeats` steps back to back after `warmup`
+    (fastest of them), one model after another. Steps of another model in between would
+    evict this one's weights and states from the caches: W2's chosen step takes 1.7x as
+    long so."""
     torch.set_num_threads(1)
     work = work_of(name, options)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     out = {}
-    for label, w in (("sequential", sequential_variant(work)), ("chosen", work)):
+    for label, w in (("sequential", sequential_variant(work)), ("chosen", work),
+                     ("share", share_work(name, ranks))):
         out[label] = fastest(_timed(train_step_fn(build(w)[0], w, x, y), repeats, warmup))
     return out
 
@@ -215,7 +231,8 @@ def study(name: str, ranks: int, threshold: float) -> dict[str, Any]:
                                                   "sequential": []}
     network = cluster = None
     for round_ in range(PLAN[name][4]):
-        measured.append(fresh(one_rank, name, options, PLAN[name][2], PLAN[name][1]))
+        measured.append(fresh(one_rank, name, options, PLAN[name][2], PLAN[name][1],
+                                   ranks))
         for p in (1, 2):
             record = _launch(name, options, p)
             if p in records:        # every launch's repeats, for the fastest
@@ -252,6 +269,12 @@ def study(name: str, ranks: int, threshold: float) -> dict[str, Any]:
                                  for k, v in predicted.items()},
             "speedup_vs_sequential": one["sequential"] / best["cold"][at]["seconds"],
             "speedup_vs_sequential_warm": one["sequential"] / best["warm"][at]["seconds"],
+            # what every step's fixed costs leave: a rank's share stepped with no MGRIT work
+            # and no message, and the time that twice sequential stepping's speed leaves
+            # for both on top of it
+            "share_layers": share_layers(name, ranks),
+            "bound_vs_sequential": one["sequential"] / one["share"],
+            "room_at_2x": one["sequential"] / 2 - one["share"],
             "predicted_speedup_vs_sequential": (best["cold"]["sequential"]["seconds"]
                                                 / best["cold"][at]["seconds"])}
 
@@ -259,7 +282,8 @@ def study(name: str, ranks: int, threshold: float) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     out = ["| case | setting | gradient error | sequential, 1 rank | chosen, 1 rank | "
            "P ranks, cold (warm) | hops | vs sequential, cold (warm) | "
-           "validation, 1 and 2 ranks: cold (warm) |", "|---|---|---|---|---|---|---|---|---|"]
+           "a rank's share, sequential: step (bound) | "
+           "validation, 1 and 2 ranks: cold (warm) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         errors = ", ".join(f"{row['virtual_error']:+.1%} ({row['warm_error']:+.1%})"
                            for row in r["validation"])
@@ -270,7 +294,10 @@ def table(results: list[dict[str, Any]]) -> str:
                    f"({r['predicted_warm']['seconds'] * 1e3:.2f} ms) | "
                    f"{r['predicted']['critical']['hops']} | "
                    f"**{r['speedup_vs_sequential']:.2f}** "
-                   f"({r['speedup_vs_sequential_warm']:.2f}) | {errors} |")
+                   f"({r['speedup_vs_sequential_warm']:.2f}) | "
+                   f"{r['share_layers']} layers: "
+                   f"{r['measured_one_rank']['share'] * 1e3:.2f} ms "
+                   f"({r['bound_vs_sequential']:.1f}x) | {errors} |")
     return "\n".join(out)
 
 
