@@ -205,6 +205,8 @@ def run_ranks(size: int, program: Callable[[VirtualComm], T], timeout: float = 6
 
     Python's cyclic garbage collector is paused meanwhile: a collection scans every
     virtual rank's objects and would be charged to whichever rank happened to trigger it.
+    Before, only the young generations are collected (what a previous run left): a full
+    collection scans every object of the process, 60 ms a call in a test session.
     The ranks' threads are bound to one core (where the platform allows it): a thread
     woken on another core than the one its predecessor ran on finds that core's caches
     cold and pays for it in its next steps, a cost that a real rank, which keeps a core
@@ -226,7 +228,7 @@ def run_ranks(size: int, program: Callable[[VirtualComm], T], timeout: float = 6
     threads = [threading.Thread(target=main, args=(r,), name=f"virtual-rank-{r}", daemon=True)
                for r in range(size)]
     collecting = gc.isenabled()
-    gc.collect()
+    gc.collect(1)
     gc.disable()
     cores = _bind_to_one_core()
     try:
