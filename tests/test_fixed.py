@@ -71,3 +71,28 @@ def test_two_ranks_report_a_column_each(mpi):
     assert table[0] == "| span | rank 0 (us) | rank 1 (us) |"
     assert all(line.count("|") == 4 for line in table)
     assert any(line.startswith("| nested begins -> nested ends |") for line in table)
+
+
+def test_torch_part_updates_every_parameter_and_leaves_mgrit_the_difference():
+    """Torch's part runs the whole update (every parameter gets a gradient, as in the real
+    step), and mgrit's part is what the real step takes beyond it."""
+    result = fixed.torch_part(layers=16, steps=2, rounds=1)
+    assert result["torch_part_updates_every_parameter"]
+    for key in ("fastest", "median"):
+        assert result["step"][key] > 0 and result["torch"][key] > 0
+        assert result["mgrit"][key] == pytest.approx(result["step"][key]
+                                                     - result["torch"][key])
+    assert "| mgrit's part (the difference) |" in fixed.torch_part_table(result)
+
+
+def test_the_hand_on_node_passes_the_state_and_gives_the_layers_their_gradients():
+    import torch
+
+    u = torch.randn(1, 4, requires_grad=True)
+    w = torch.zeros(2, 4, 4, requires_grad=True)
+    kept = [torch.full((2, 4, 4), 3.0)]
+    out = fixed._HandOn.apply(kept, u, w)
+    assert torch.equal(out, u) and out.data_ptr() != u.data_ptr()
+    out.square().sum().backward()
+    assert torch.equal(u.grad, 2 * u.detach())
+    assert w.grad is not None and torch.equal(w.grad, kept[0])

@@ -10,6 +10,7 @@ of each span over the timed steps, and the mean step with its page faults (docs/
 
     python -m benchmarks.studies.fixed [--layers 64] [--steps 300] [--sequential | --nested]
                                        [--fine] [--json PATH]
+    python -m benchmarks.studies.fixed --layers 16 --torch-part [--steps 100]
     mpiexec -n 2 python -m mpi4py -m benchmarks.studies.fixed --layers 1024 --nested --fine
 
 Under mpiexec the network's layers are spread over the ranks, every step starts after a
@@ -18,6 +19,11 @@ barrier, and the table has a column per rank: where a 2-rank step of the setting
 starts) spends what sequential stepping on one rank does not (docs/performance.md, "Two
 ranks against sequential stepping"). `--fine` adds the boundaries inside a pass (the input
 check, the ghost layers' exchange, the nested start, F-relaxation, the final reduction).
+`--torch-part` times sequential stepping's step against torch's part of it (zero_grad,
+the closing layer, the loss, autograd's backward pass, the update, with an autograd node
+in the solves' place), in turns: what is left is mgrit's, at a rank's share of W2 (16
+layers at 64 ranks) the cost the bound of docs/scaling.md ("Chosen settings at 64 ranks")
+asks to cut.
 
 Question: which costs of a rank's training step do not shrink with its layers, and which
 does a 2-rank step add to sequential stepping's?
@@ -159,6 +165,79 @@ def measure(layers: int = 64, steps: int = 300, warmup: int = 50, sequential: bo
     return result
 
 
+class _HandOn(torch.autograd.Function):
+    """Where the solves stand in the graph, without them: the state handed on, and for the
+    layers' parameters gradients kept from the start (as autograd takes an assembled
+    gradient, without a copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[torch.Tensor], u: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return u.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return (None, grad, *ctx.grads)
+
+
+def torch_part(layers: int = 16, steps: int = 100, rounds: int = 10) -> dict[str, Any]:
+    """Seconds (fastest and median) of sequential stepping's training step of W2 with
+    `layers` layers on one rank, one thread, and of torch's part of that step: zero_grad,
+    an autograd node in the solves' place (`_HandOn`), the closing layer, the loss,
+    autograd's backward pass and the optimizer's update of every parameter, on the same
+    model and optimizer. The two take turns, `rounds` rounds of `steps` timed steps each
+    after a few untimed; what is left of the step is mgrit's: the two solves, their set-up
+    and the gradient assembly."""
+    torch.set_num_threads(1)
+    work = _workload(layers, sequential=True, nested=False)
+    net, built, x, y = setup(work)
+    model = shared_model(work, net, built, None)
+    optimizer = work.optimizer(model.parameters())
+    stacked = list(model.layers.parameters())
+    grads = [torch.zeros_like(p) for p in stacked]
+    u = model.opening(x).detach()
+
+    def step() -> None:
+        optimizer.zero_grad()
+        work.loss(model(x), y).backward()
+        optimizer.step()
+
+    def torch_step() -> None:
+        optimizer.zero_grad()
+        work.loss(model.closing(_HandOn.apply(grads, u, *stacked)), y).backward()
+        optimizer.step()
+
+    parts = {"step": step, "torch": torch_step}
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            for _ in range(5):
+                fn()
+            for _ in range(steps):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    # the last step was torch's part: it updated what the real step updates
+    every = all(p.grad is not None for p in model.parameters())
+    out = {name: {"fastest": min(t), "median": statistics.median(t)}
+           for name, t in times.items()}
+    return {"layers": layers, "steps": steps, "rounds": rounds,
+            "torch_version": torch.__version__, "torch_part_updates_every_parameter": every,
+            **out, "mgrit": {k: out["step"][k] - out["torch"][k] for k in out["step"]}}
+
+
+def torch_part_table(result: dict[str, Any]) -> str:
+    """The split of `torch_part` in microseconds."""
+    lines = ["| part of the step | fastest (us) | median (us) |", "| --- | ---: | ---: |"]
+    for key, label in (("step", f"sequential stepping, {result['layers']} layers"),
+                       ("torch", "torch's part (zero_grad, closing, loss, autograd, update)"),
+                       ("mgrit", "mgrit's part (the difference)")):
+        lines.append(f"| {label} | {result[key]['fastest'] * 1e6:.1f} | "
+                     f"{result[key]['median'] * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 def table(result: dict[str, Any]) -> str:
     """The spans' medians in microseconds, a column per rank (one: this process's)."""
     columns = result.get("ranks_spans") or [result]
@@ -192,8 +271,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fine", action="store_true",
                         help="also split each pass at its input check, ghost exchange, nested "
                              "start, F-relaxation and final reduction")
+    how.add_argument("--torch-part", action="store_true",
+                     help="sequential stepping's step against torch's part of it (one rank)")
     parser.add_argument("--json", help="also write the result here (rank 0)")
     args = parser.parse_args(argv)
+    if args.torch_part:
+        result = torch_part(args.layers, args.steps)
+        print(f"W2's sequential step with {args.layers} layers on 1 rank, torch "
+              f"{result['torch_version']}, {result['rounds']} rounds of {args.steps} steps\n")
+        print(torch_part_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
