@@ -280,22 +280,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"W2's sequential step with {args.layers} layers on 1 rank, torch "
               f"{result['torch_version']}, {result['rounds']} rounds of {args.steps} steps\n")
         print(torch_part_table(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-        return
-    from mpi4py import MPI
+    else:
+        from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-    result = measure(args.layers, args.steps, sequential=args.sequential, nested=args.nested,
-                     fine=args.fine, comm=comm)
-    if comm is not None and comm.Get_rank() != 0:
-        return
-    how = ("sequential stepping" if args.sequential else
-           "the nested setting" if args.nested else "MGRIT's reference setting")
-    print(f"W2 ({how}) with {args.layers} layers on {result['ranks']} rank(s), torch "
-          f"{result['torch']}, median of {args.steps} steps\n")
-    print(table(result))
+        comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+        result = measure(args.layers, args.steps, sequential=args.sequential,
+                         nested=args.nested, fine=args.fine, comm=comm)
+        if comm is not None and comm.Get_rank() != 0:
+            return
+        how = ("sequential stepping" if args.sequential else
+               "the nested setting" if args.nested else "MGRIT's reference setting")
+        print(f"W2 ({how}) with {args.layers} layers on {result['ranks']} rank(s), torch "
+              f"{result['torch']}, median of {args.steps} steps\n")
+        print(table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
