@@ -185,14 +185,15 @@ def compare(record: dict[str, Any], network: Interconnect) -> list[dict[str, Any
     return rows
 
 
-def virtual_checks(records: dict[int, dict[str, Any]], network: Interconnect
-                   ) -> list[dict[str, Any]]:
-    """The virtual-rank model against the measured times of the validation records."""
+def virtual_checks(records: dict[int, dict[str, Any]], network: Interconnect,
+                   processes: int | None = None) -> list[dict[str, Any]]:
+    """The virtual-rank model against the measured times of the validation records (each
+    point the fastest of its case's virtual runs, or of `processes` runs)."""
     rows = []
     jobs = [(ranks, name) for ranks, record in records.items()
             for name in ("w0", *CHECKS) if name in record]
     points = fastest_points([(CHECKS.get(name), ranks) for ranks, name in jobs],
-                            {"": network})
+                            {"": network}, processes=processes)
     for (ranks, name), point in zip(jobs, points):
         pred = point["predictions"][""]
         pairs = ([("solve", pred["seconds"])] if name == "w0" else

@@ -232,28 +232,32 @@ def virtual_point(case: ScalingCase | None, ranks: int, networks: dict[str, Inte
             "kernels": kernels.describe() if kernels is not None else []}
 
 
-def _processes(case: ScalingCase | None) -> int:
+def _processes(case: ScalingCase | None, processes: int | None = None) -> int:
+    if processes is not None:
+        return processes
     return W0_PROCESSES if case is None else case.processes
 
 
 def fastest_points(jobs: list[tuple[ScalingCase | None, int]],
                    networks: dict[str, Interconnect],
                    done: Callable[[ScalingCase | None, int, dict[str, Any], float], None]
-                   | None = None) -> list[dict[str, Any]]:
-    """For every (case, ranks) job, `virtual_point` in `case.processes` fresh processes and
-    per network the fastest prediction (step and forward pass each). The processes run in
-    rounds (one process of every job per round) rather than job after job: the machine's slow
-    phases last minutes, and a point whose processes all ran in one of them would carry it.
-    `done(case, ranks, point, seconds)` is called as each job's last process ends."""
+                   | None = None, processes: int | None = None) -> list[dict[str, Any]]:
+    """For every (case, ranks) job, `virtual_point` in `case.processes` fresh processes (or
+    `processes` for every job) and per network the fastest prediction (step and forward pass
+    each). The processes run in rounds (one process of every job per round) rather than job
+    after job: the machine's slow phases last minutes, and a point whose processes all ran
+    in one of them would carry it. `done(case, ranks, point, seconds)` is called as each
+    job's last process ends."""
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
     spent = [0.0] * len(jobs)
-    for round_ in range(max((_processes(case) for case, _ in jobs), default=0)):
+    counts = [_processes(case, processes) for case, _ in jobs]
+    for round_ in range(max(counts, default=0)):
         for i, (case, ranks) in enumerate(jobs):
-            if round_ < _processes(case):
+            if round_ < counts[i]:
                 start = time.perf_counter()
                 runs[i].append(fresh(virtual_point, case, ranks, networks))
                 spent[i] += time.perf_counter() - start
-                if done is not None and len(runs[i]) == _processes(case):
+                if done is not None and len(runs[i]) == counts[i]:
                     done(case, ranks, _fastest(runs[i], networks), spent[i])
     return [_fastest(points, networks) for points in runs]
 
