@@ -103,13 +103,14 @@ def choose_settings(model: LayerParallel, like: Tensor | Callable[[], Tensor],
     either pass and nested starts (down to no cycle: the start F-relaxed once) are
     candidates too, and with `exact_passes` so is each setting with one pass stepped
     exactly (on few ranks a sequential sweep can cost less than a solve's fixed costs); the
-    `trials` cheapest (and where they are timed, the cheapest with either pass exact as well)
-    are measured in order of price (`probe_solves` on `like`, against
-    exact stepping's gradient); those whose error is at most TARGET * threshold (the margin
-    the controller keeps for other batches), and with `exact_passes` exact stepping itself
+    `trials` cheapest (and where they are timed, the cheapest with either pass exact as
+    well) are measured in order of price (`probe_solves` on `like`, against exact
+    stepping's gradient); those whose error is at most TARGET * threshold (the margin the
+    controller keeps for other batches), and with `exact_passes` exact stepping itself
     (levels=1, which has no error), are timed (`repeats` probes each, taking turns, the
-    fastest, averaged over the ranks) and the fastest is returned (of those within MARGIN of the fastest, exact
-    stepping, else the cheapest by price); exact stepping where none meets it. Where
+    fastest, averaged over the ranks) and the fastest is returned (of those within MARGIN
+    of the fastest, exact stepping, else the cheapest by price); exact stepping where none
+    meets it. Where
     `ranks` is not the model's own, nothing can be timed: the cheapest by price that meets
     the threshold is returned. `exact_passes=False` keeps every pass a hierarchy where one
     meets the threshold (what MGRIT itself costs). The parameters' gradients and
