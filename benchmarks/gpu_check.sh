@@ -11,7 +11,12 @@
 #      mpiexec (printed first, and into $OUT/environment.txt). Without a usable mpi4py and
 #      mpiexec, MPICH and mpi4py are installed from carried wheels in $WHEELS (default
 #      ./.whl; no package registry is needed) into $MPI_PREFIX (default /tmp/mgrit-mpi);
-#      MPI_FROM_WHEELS=1 installs them in any case.
+#      MPI_FROM_WHEELS=1 installs them in any case. The wheels come from a machine with a
+#      package registry, for the GPU machine's Python (3.12 in this command):
+#          pip download --only-binary=:all: --python-version 3.12 \
+#              --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
+#              -d .whl mpi4py mpich
+#      (.whl is ignored by git: name it among what travels to the GPU machine).
 #   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s).
 #   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 150 s) with
 #      MGRIT_TEST_REQUIRE_GPU=1 and MGRIT_TEST_REQUIRE_ALL=1, so that a GPU test cannot
