@@ -153,6 +153,39 @@ def test_no_host_read_inside_a_step_and_the_guard_is_live():
     assert torch.ones(()).item() == 1.0 and bool(torch.ones(()))
 
 
+def test_the_guard_holds_in_the_threads_inside_it_alone():
+    """Virtual ranks are threads: a rank reading its norms after its step must not fail
+    while another rank's step is guarded. Guards entered and left by two threads in
+    crossed order leave Tensor as it was."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        with host_reads_forbidden():
+            inside.set()
+            done.wait(30)
+            try:
+                torch.ones(()).item()
+            except HostSyncError:
+                seen["other raised"] = True
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert inside.wait(30)
+    x = torch.ones(2)
+    assert x.tolist() == [1.0, 1.0] and float(x.sum()) == 2.0     # not inside a guard here
+    with host_reads_forbidden([x]):
+        assert x.tolist() == [1.0, 1.0]        # allowed by this guard
+        with pytest.raises(HostSyncError):
+            x.sum().item()
+        done.set()
+        thread.join(30)
+    assert seen == {"other raised": True}
+    assert "item" not in torch.Tensor.__dict__ and torch.ones(()).item() == 1.0
+
+
 class _OpeningReads(nn.Linear):
     """Normalises by a scale read on the host (the step modules cannot: vmap refuses it)."""
 

@@ -4,8 +4,8 @@ do, found by running the step once under it, and named.
 A CUDA graph replays kernels and nothing else: a value read on the host while it was
 captured (`.item()`, `float(t)`, `if t:`, `.tolist()`, a copy to the CPU) is baked into the
 graph as the number it was then, and the read itself waits for the device, which a step that
-should run ahead of the host cannot afford. The guard patches those Tensor methods while it
-is entered. Reads by the communicator (`mgrit.comm`: messages between ranks go through host
+should run ahead of the host cannot afford. The guard patches those Tensor methods while a
+thread is inside it, and they raise in that thread alone. Reads by the communicator (`mgrit.comm`: messages between ranks go through host
 buffers, between graphs) and reads of tensors named `allowed` (the host-side step counts of
 torch's optimizers on a CPU) go through.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
@@ -55,42 +56,78 @@ def _to_host(tensor: Tensor, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+# the patches are installed while any thread is inside a guard (`_installed` counts them)
+# and raise only in those threads: virtual ranks are threads of one process, and a rank
+# that reads a tensor after its step must not fail because another rank's step is guarded
+_lock = threading.Lock()
+_installed: list[Any] = [0, []]         # [threads inside, (name, original, own) saved]
+_local = threading.local()              # .allowed: a stack of id sets, one per guard entered
+
+
+def _forbidden(tensor: Tensor) -> bool:
+    """Whether reading `tensor` on the host raises here: this thread is inside a guard that
+    does not allow it, and the communicator is not the reader."""
+    stack = getattr(_local, "allowed", None)
+    return bool(stack) and id(tensor) not in stack[-1] and not _from_comm()
+
+
+def _guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _forbidden(self):
+            raise HostSyncError(f"Tensor.{name.strip('_')}() of a tensor of shape "
+                                f"{tuple(self.shape)} on {self.device}")
+        return original(self, *args, **kwargs)
+    return guarded
+
+
+def _guard_to(original: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _to_host(self, args, kwargs) and _forbidden(self):
+            raise HostSyncError(f"Tensor.to() between host and device of a tensor of "
+                                f"shape {tuple(self.shape)} on {self.device}")
+        return original(self, *args, **kwargs)
+    return guarded
+
+
+def _install() -> None:
+    with _lock:
+        if _installed[0] == 0:
+            for name in (*_READS, "to"):
+                original = getattr(Tensor, name)
+                _installed[1].append((name, original, name in Tensor.__dict__))
+                setattr(Tensor, name,
+                        _guard_to(original) if name == "to" else _guard(name, original))
+        _installed[0] += 1
+
+
+def _uninstall() -> None:
+    with _lock:
+        _installed[0] -= 1
+        if _installed[0] == 0:
+            for name, original, own in reversed(_installed[1]):
+                if own:
+                    setattr(Tensor, name, original)
+                else:
+                    delattr(Tensor, name)
+            _installed[1].clear()
+
+
 @contextlib.contextmanager
 def host_reads_forbidden(allowed: Iterable[Tensor] = ()) -> Iterator[None]:
     """While entered, a host read of a tensor (`Tensor.item`, `tolist`, `numpy`, `cpu`,
-    `nonzero`, `bool`/`float`/`int`/`index` of a tensor, `to` between host and device)
-    raises `HostSyncError`, except by the communicator and of the tensors in `allowed`."""
-    allowed_ids = {id(t) for t in allowed}
-    saved: list[tuple[str, Any, bool]] = []
-
-    def guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def guarded(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if id(self) not in allowed_ids and not _from_comm():
-                raise HostSyncError(f"Tensor.{name.strip('_')}() of a tensor of shape "
-                                    f"{tuple(self.shape)} on {self.device}")
-            return original(self, *args, **kwargs)
-        return guarded
-
-    def guard_to(original: Callable[..., Any]) -> Callable[..., Any]:
-        def guarded(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if _to_host(self, args, kwargs) and not _from_comm():
-                raise HostSyncError(f"Tensor.to() between host and device of a tensor of "
-                                    f"shape {tuple(self.shape)} on {self.device}")
-            return original(self, *args, **kwargs)
-        return guarded
-
-    for name in (*_READS, "to"):
-        original = getattr(Tensor, name)
-        saved.append((name, original, name in Tensor.__dict__))
-        setattr(Tensor, name, guard_to(original) if name == "to" else guard(name, original))
+    `nonzero`, `bool`/`float`/`int`/`index` of a tensor, `to` between host and device) in
+    this thread raises `HostSyncError`, except by the communicator and of the tensors in
+    `allowed`; other threads read as they like."""
+    stack = getattr(_local, "allowed", None)
+    if stack is None:
+        stack = _local.allowed = []
+    stack.append({id(t) for t in allowed})
+    _install()
     try:
         yield
     finally:
-        for name, original, own in reversed(saved):
-            if own:
-                setattr(Tensor, name, original)
-            else:
-                delattr(Tensor, name)
+        _uninstall()
+        stack.pop()
 
 
 def culprit(err: BaseException, model: nn.Module) -> str:
