@@ -218,9 +218,10 @@ def compiled(model: nn.Module, batch: Batch) -> Timed:
 
 def mgrit_captured_step(model: nn.Module, batch: Batch) -> Timed:
     """MGRIT's whole training step (fixed cycle counts, forward and adjoint solves,
-    parameter gradients and the optimizer update) as `mgrit.nn.CapturedStep`: one CUDA
-    graph on one rank, captured at its third step and replayed from then on."""
-    from mgrit.nn import CapturedStep
+    parameter gradients and the optimizer update) as `mgrit.nn.CapturedStep`, and its
+    no-grad forward pass (opening, forward solve, closing) as `mgrit.nn.CapturedForward`:
+    each one CUDA graph on one rank, captured at its third call and replayed from then on."""
+    from mgrit.nn import CapturedForward, CapturedStep
 
     optimizer = batch.work.optimizer(model.parameters())
     if batch.device.type == "cuda":
@@ -228,13 +229,19 @@ def mgrit_captured_step(model: nn.Module, batch: Batch) -> Timed:
         # optimizers refuse CPU parameters
         optimizer = capturable(optimizer)
     step = CapturedStep(model, batch.work.loss, optimizer, batch.x, batch.y, check=False)
+    forward_pass = CapturedForward(model, batch.x, check=False)
     notes: dict[str, Any] = {}
 
     def train_step() -> Tensor:
         loss = step.step(batch.x, batch.y)
         notes["captures"] = step.captures
         return loss
-    return Timed(None, train_step, optimizer, notes)
+
+    def forward() -> Tensor:
+        out = forward_pass(batch.x)
+        notes["forward_captures"] = forward_pass.captures
+        return out
+    return Timed(forward, train_step, optimizer, notes)
 
 
 def serial_network(work: TrainingWorkload) -> nn.Module:

@@ -40,14 +40,15 @@ def data(kind: str, batch: int, seed: int = 5):
 
 
 def build(kind: str, num_steps: int, forward=None, backward=None, comm=None, data_comm=None,
-          seed: int = 1, kernels: str | None = None):
+          seed: int = 1, kernels: str | None = None, inference=None):
     """(layer-parallel model, plain serial network) with identical initial weights; the
-    model computes with `kernels` (`LayerParallel`'s argument)."""
+    model computes with `kernels` and solves evaluation's passes with `inference`
+    (`LayerParallel`'s arguments)."""
     torch.manual_seed(seed)
     opening, closing, step = PARTS[kind]()
     model = mgrit.LayerParallel(step, num_steps, 1.0, forward=forward, backward=backward,
                                 comm=comm, opening=opening, closing=closing, data_comm=data_comm,
-                                kernels=kernels)
+                                kernels=kernels, inference=inference)
     torch.manual_seed(seed)
     opening, closing, step = PARTS[kind]()
     serial = mgrit.serial_resnet(step, num_steps, 1.0, opening, closing)

@@ -299,6 +299,25 @@ def test_settings_changed_by_set_solvers_are_captured_again():
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
 
 
+def test_the_same_options_set_again_build_new_solvers_which_are_captured_again():
+    """set_solvers with unchanged options builds the solvers again (their storage is new):
+    the next steps warm up and capture again rather than replay a graph of the old
+    storage, and keep the eager run's numbers."""
+    steps, change = 6, 3
+    losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, steps,
+                                  (change, (FORWARD, BACKWARD)))
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    step.graphs = True
+    step._capturer = capturer = _ReplayByRunning()
+    for k, (x, y) in enumerate(batches("dense", steps)):
+        if k == change:
+            model.set_solvers(FORWARD, BACKWARD)
+        assert step.step(x, y).item() == losses[k]
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (4, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
 def test_a_divergent_residual_raises_after_the_step_naming_pass_and_cycle():
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))

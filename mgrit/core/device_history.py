@@ -85,14 +85,15 @@ class DeviceHistory(History):
         return None
 
 
-def check_norms(norms: Tensor, factor: float, what: str) -> list[float]:
+def check_norms(norms: Tensor, factor: float, what: str,
+                where: str = "a captured training step") -> list[float]:
     """The norms read on the host; raises `DivergenceError` as the eager solve would have,
     at the first cycle whose residual is not finite or grew past `factor` times the first,
-    with `what` (the pass) in a note. Returns them."""
+    with `what` (the pass) and `where` (what captured it) in a note. Returns them."""
     values = norms.tolist()
     try:
         check_divergence(values, factor, lambda: None)
     except Exception as err:
-        err.add_note(f"in the {what} solve of a captured training step, read after it")
+        err.add_note(f"in the {what} solve of {where}, read after it")
         raise
     return values

@@ -17,14 +17,14 @@ from .export import serial_state_dict
 from .engine.atomic import WriteError
 from .engine.randomness import Dropout, draws, layer_key
 from .layer_parallel import LayerParallel
-from .capture import CapturedStep, CaptureError
+from .capture import CapturedForward, CapturedStep, CaptureError
 from .controller import (Calibration, Controller, Policy, ProbeResult, Setting, calibrate,
                          choose_settings, gradient_agreement, probe)
 from .serial import ResidualNetwork, ResidualStep, serial_resnet
 from .transformer import TransformerBlock
 
-__all__ = ["Calibration", "CaptureError", "CapturedStep", "CheckpointError", "Controller",
-           "Dropout", "LayerParallel", "Policy", "ProbeResult", "ResidualNetwork",
-           "ResidualStep", "Setting", "TransformerBlock", "calibrate", "choose_settings",
-           "WriteError", "draws", "gradient_agreement", "layer_key", "probe",
-           "serial_resnet", "serial_state_dict"]
+__all__ = ["Calibration", "CaptureError", "CapturedForward", "CapturedStep", "CheckpointError",
+           "Controller", "Dropout", "LayerParallel", "Policy", "ProbeResult",
+           "ResidualNetwork", "ResidualStep", "Setting", "TransformerBlock", "calibrate",
+           "choose_settings", "WriteError", "draws", "gradient_agreement", "layer_key",
+           "probe", "serial_resnet", "serial_state_dict"]

@@ -1,13 +1,16 @@
 """`CapturedStep`: a whole layer-parallel training step (forward solve, loss, adjoint solve,
 parameter gradients, optimizer update) on static buffers and without host reads, captured
-as one CUDA graph on a one-rank CUDA model and replayed, run eagerly elsewhere.
+as one CUDA graph on a one-rank CUDA model and replayed, run eagerly elsewhere;
+`CapturedForward`: the same for a forward pass without gradients (opening, forward solve,
+closing), in training or in evaluation mode.
 
-What makes the step capturable lives where the work does: solves of a fixed cycle count
-whose residual norms stay on the device (`mgrit.core.device_history`, `Solver.captured`),
-adjoint steps that do not look for all-zero cotangents (`AdjointPropagator.skip_zero_rows`),
-both switched on for training's passes by `Passes.set_captured`. This module checks what
-cannot be captured, before any capture, and runs the stages of a step: an eager first step
-that builds the solvers and the optimizer's state, a second under the host-read guard
+What makes them capturable lives where the work does: solves of a fixed cycle count whose
+residual norms stay on the device (`mgrit.core.device_history`, `Solver.captured`), adjoint
+steps that do not look for all-zero cotangents (`AdjointPropagator.skip_zero_rows`), both
+switched on for training's passes by `Passes.set_captured` and for passes without
+gradients by `Passes.set_captured_no_grad`. This module checks what cannot be captured,
+before any capture, and runs the stages of a step or pass: an eager first one that builds
+the solvers (and the optimizer's state), a second under the host-read guard
 (`capture_guard`), then the capture and its replays (docs/training.md, "Captured steps").
 """
 
@@ -20,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..core.config import Config
 from ..core.device_history import check_norms
 from ..execute import CudaCapture
 from .capture_guard import HostSyncError, culprit, host_reads_forbidden
@@ -34,7 +38,200 @@ class CaptureError(ValueError):
     to change."""
 
 
-class CapturedStep:
+class _Captured:
+    """What a captured step and a captured forward pass share: static inputs, the stages
+    (eager, eager under the guard, captured, replayed; started again when the settings
+    change), the checks of the solves' options and the residual histories on the device.
+    A subclass says what it runs (`_run`), which solves it holds (`_solves`) and how it
+    is named in messages (`what`)."""
+
+    what = "training step"
+
+    def __init__(self, model: LayerParallel, examples: dict[str, Tensor], check: bool
+                 ) -> None:
+        if not isinstance(model, LayerParallel):
+            raise TypeError(f"model must be a mgrit.nn.LayerParallel, got "
+                            f"{type(model).__name__}")
+        for name, value in examples.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+        self.model = model
+        self.check_each_step = bool(check)
+        self.device = next(iter(examples.values())).device
+        # captured as one graph: a CUDA model on one rank without replicas, whose messages
+        # (there are none) need no host between them
+        self.graphs = (self.device.type == "cuda" and model.comm.size == 1
+                       and model.data_comm is None)
+        self._names = [name.removeprefix("example_") for name in examples]
+        self.inputs = tuple(value.detach().clone() for value in examples.values())
+        self._history: dict[str, Tensor] = {}
+        self._initial: dict[str, Any] = {}
+        self._key: tuple | None = None
+        self._stage = 0
+        self._graph: Any = None
+        # warm-up runs and captures on one side stream (`CudaCapture`, or a stand-in with
+        # its `warm_up` and `capture`)
+        self._capturer: Any = CudaCapture()
+        self.runs = 0
+        self.captures = 0
+
+    # checks -----------------------------------------------------------------------------
+    def _solves(self) -> list[tuple[str, Config]]:
+        """(pass, its options) of the solves a run holds."""
+        raise NotImplementedError
+
+    def _settings(self) -> tuple:
+        """What a capture is valid for: the solvers (their set: `Passes.generation` counts
+        the times it was dropped), the mode, the options of the solves and where the
+        parameters live (a graph reads them at the addresses it was captured with)."""
+        model = self.model
+        return (id(model._passes), model._passes.generation, model.training,
+                tuple(p.data_ptr() for p in model.parameters()),
+                *(tuple(sorted(cfg.describe().items())) for _, cfg in self._solves()))
+
+    def _check_settings(self) -> None:
+        model = self.model
+        if model._held_draw_step is not None:
+            raise CaptureError(f"a captured {self.what} cannot run inside model.probing(): "
+                               "probes run eagerly, after the step")
+        for kind, cfg in self._solves():
+            if cfg.tol != 0.0:
+                raise CaptureError(
+                    f"the {kind} solve has tol={cfg.tol}: a tolerance stops a solve at a "
+                    "residual read on the host after every cycle, which a CUDA graph cannot "
+                    f"do; use tol=0 (max_iter={cfg.max_iter} cycles, the residual history "
+                    f"is read after the {self.what})")
+            if cfg.agglomerate and model.comm.size > 1:
+                raise CaptureError(
+                    f"the {kind} solve has agglomerate={cfg.agglomerate}: its gathered coarse "
+                    "levels fetch layers (and forward states) with a collective on the host "
+                    f"before every solve, which a captured {self.what} cannot make; use "
+                    "agglomerate=0")
+            if cfg.cuda_graphs and self.graphs:
+                raise CaptureError(
+                    f"the {kind} solve has cuda_graphs=True, which captures relaxation "
+                    f"sweeps in graphs of their own; a captured {self.what} is one graph, "
+                    "and graphs do not nest: use cuda_graphs=False")
+        if model.training and _draws(model):
+            raise CaptureError(
+                "the step module draws random numbers (dropout): its keys are made on the "
+                f"host for every {self.what}, which a replayed graph would repeat; "
+                f"run it without {type(self).__name__}")
+
+    def _take(self, given: tuple[Tensor, ...]) -> None:
+        """Copy a run's tensors into the static inputs, after checking them all."""
+        for name, value, static in zip(self._names, given, self.inputs):
+            if not isinstance(value, Tensor):
+                raise TypeError(f"the {name} must be a tensor, got {type(value).__name__}")
+            if value.shape != static.shape or value.dtype != static.dtype:
+                raise CaptureError(
+                    f"the {name} has shape {tuple(value.shape)} and dtype {value.dtype}; "
+                    f"this {self.what} was built for shape {tuple(static.shape)} and dtype "
+                    f"{static.dtype} (its static buffers, and a graph, have one shape): "
+                    f"make another {type(self).__name__} for the other shape")
+        for value, static in zip(given, self.inputs):
+            static.copy_(value)
+
+    # the stages -------------------------------------------------------------------------
+    def _advance(self, given: tuple[Tensor, ...]) -> None:
+        """One run on `given`: eager while the solvers and their states are being built,
+        then eager under the guard, then captured and replayed (on CUDA with one rank; run
+        eagerly elsewhere); from the start again when the settings changed."""
+        self._take(given)
+        key = self._settings()
+        if key != self._key:
+            # first run, or new solvers or options: any graph is stale
+            self._check_settings()
+            self._key, self._stage, self._graph = key, 0, None
+        if self._graph is not None:
+            self._graph.replay()
+        elif self._stage == 0:
+            self._warm(self._run)
+            self._check_settings()      # whether the step module draws is known now
+        elif self._stage == 1:
+            self._warm(self._guarded_run)
+        elif self.graphs:
+            self._capture()
+        else:
+            self._run()
+        self._stage += 1
+        self.runs += 1
+        if self.check_each_step:
+            self.check()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _guarded_run(self) -> None:
+        """`_run` under the host-read guard; a read is refused naming where it was made."""
+        try:
+            with self.guarded():
+                self._run()
+        except HostSyncError as err:
+            raise CaptureError(
+                f"the {self.what} reads a tensor on the host ({err}) in "
+                f"{culprit(err, self.model)}: a captured {self.what} cannot (a graph would "
+                "keep the value read at capture and the read waits for the device); keep "
+                "the value on the device (torch.where instead of if, no .item())") from None
+
+    def _allowed_reads(self) -> list[Tensor]:
+        """Tensors that may be read on the host inside a run."""
+        return []
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Host reads raise inside (`host_reads_forbidden`), but of `_allowed_reads`."""
+        with host_reads_forbidden(self._allowed_reads()):
+            yield
+
+    def _warm(self, run: Callable[[], None]) -> None:
+        """An eager run; before a capture on the stream that captures, as capturing asks
+        (libraries make per-stream handles at their first use)."""
+        if self.graphs:
+            self._capturer.warm_up(self.inputs[0], run)
+        else:
+            run()
+
+    def _capture(self) -> None:
+        """Capture the run as one CUDA graph and replay it (capturing runs nothing)."""
+        try:
+            graph = self._capturer.capture(self.inputs[0], self._run)
+        except RuntimeError as err:
+            raise CaptureError(f"capturing the {self.what} failed ({err}): something in "
+                               "it copies between host and device or synchronises") from err
+        self._graph = graph
+        self.captures += 1
+        graph.replay()
+
+    def _keep_history(self) -> None:
+        """The latest run's residual norms: static tensors, which a replay writes again."""
+        stats = self.model.stats
+        self._history = {kind: stats[kind]["residuals"] for kind, _ in self._solves()}
+        self._initial = {kind: stats[kind]["initial_norm"] for kind, _ in self._solves()}
+
+    # residual histories -----------------------------------------------------------------
+    def history(self) -> dict[str, Tensor]:
+        """The latest run's residual norms per pass ("forward", and "backward" in a
+        training step), float64 tensors on the device (views of static buffers: the next
+        run overwrites them)."""
+        return dict(self._history)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """The latest run's cycles and residual norms per pass, read on the host."""
+        return {kind: {"iterations": len(norms), "residuals": norms.tolist()}
+                for kind, norms in self._history.items()}
+
+    def check(self) -> None:
+        """Read the latest run's residual norms (one host read per pass) and raise
+        `DivergenceError` at a NaN/Inf one or one past `divergence_factor` times the
+        first, naming the pass and cycle."""
+        options = dict(self._solves())
+        for kind, norms in self._history.items():
+            check_norms(norms, options[kind].divergence_factor, kind,
+                        f"a captured {self.what}")
+
+
+class CapturedStep(_Captured):
     """`step(x, y)` = one training step of `model` on the batch (x, y): zero the gradients,
     `loss_fn(model(x), y).backward()`, `optimizer.step()`; returns the loss, a tensor that
     the next step overwrites.
@@ -64,18 +261,13 @@ class CapturedStep:
                  optimizer: torch.optim.Optimizer, example_input: Tensor,
                  example_target: Tensor, check: bool = True,
                  controller: Controller | None = None) -> None:
-        if not isinstance(model, LayerParallel):
-            raise TypeError(f"model must be a mgrit.nn.LayerParallel, got "
-                            f"{type(model).__name__}")
+        super().__init__(model, {"example_input": example_input,
+                                 "example_target": example_target}, check)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        for name, value in (("example_input", example_input),
-                            ("example_target", example_target)):
-            if not isinstance(value, Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
         if controller is not None:
             if not isinstance(controller, Controller):
                 raise TypeError(f"controller must be a mgrit.nn.Controller, got "
@@ -83,111 +275,33 @@ class CapturedStep:
             if controller.model is not model:
                 raise ValueError("the controller watches another model than this step's: "
                                  "make it with Controller(model) for the same model")
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.loss_fn, self.optimizer = loss_fn, optimizer
         self.controller = controller
-        self.check_each_step = bool(check)
-        self.device = example_input.device
-        # captured as one graph: a CUDA model on one rank without replicas, whose messages
-        # (there are none) need no host between them
-        self.graphs = (self.device.type == "cuda" and model.comm.size == 1
-                       and model.data_comm is None)
         self._check_settings()
         if self.device.type == "cuda":
             _check_optimizer(optimizer)
-        self.inputs = (example_input.detach().clone(), example_target.detach().clone())
         self.loss: Tensor | None = None
-        self._history: dict[str, Tensor] = {}
-        self._initial: dict[str, Any] = {}
-        self._key: tuple | None = None
-        self._stage = 0
-        self._graph: Any = None
-        # warm-up runs and captures on one side stream (`CudaCapture`, or a stand-in with
-        # its `warm_up` and `capture`)
-        self._capturer: Any = CudaCapture()
-        self.steps = 0
-        self.captures = 0
         model._passes.set_captured(True)
 
-    # checks -----------------------------------------------------------------------------
-    def _settings(self) -> tuple:
-        """What a capture is valid for: training's passes and their options."""
-        model = self.model
-        return (id(model._passes), model.training,
-                *(tuple(sorted(cfg.describe().items()))
-                  for cfg in (model.forward_config, model.backward_config)))
+    @property
+    def steps(self) -> int:
+        """Steps taken so far."""
+        return self.runs
+
+    def _solves(self) -> list[tuple[str, Config]]:
+        return [(kind, getattr(self.model, f"{kind}_config")) for kind in PASSES]
 
     def _check_settings(self) -> None:
-        model = self.model
-        if not model.training:
+        if not self.model.training:
             raise CaptureError("a captured step is a training step: call model.train() "
                                "before it")
-        if model._held_draw_step is not None:
-            raise CaptureError("a captured step cannot run inside model.probing(): probes "
-                               "run eagerly, after the step")
-        for kind in PASSES:
-            cfg = getattr(model, f"{kind}_config")
-            if cfg.tol != 0.0:
-                raise CaptureError(
-                    f"the {kind} solve has tol={cfg.tol}: a tolerance stops a solve at a "
-                    "residual read on the host after every cycle, which a CUDA graph cannot "
-                    f"do; use tol=0 (max_iter={cfg.max_iter} cycles, the residual history "
-                    "is read after the step)")
-            if cfg.agglomerate and model.comm.size > 1:
-                raise CaptureError(
-                    f"the {kind} solve has agglomerate={cfg.agglomerate}: its gathered coarse "
-                    "levels fetch layers (and forward states) with a collective on the host "
-                    "before every solve, which a captured step cannot make; use "
-                    "agglomerate=0")
-            if cfg.cuda_graphs and self.graphs:
-                raise CaptureError(
-                    f"the {kind} solve has cuda_graphs=True, which captures relaxation "
-                    "sweeps in graphs of their own; a captured step holds the whole step in "
-                    "one graph, and graphs do not nest: use cuda_graphs=False")
-        if _draws(model):
-            raise CaptureError(
-                "the step module draws random numbers (dropout): its keys are made on the "
-                "host for every step, which a replayed graph would repeat; train it without "
-                "CapturedStep")
-
-    def _check_batch(self, x: Tensor, y: Tensor) -> None:
-        for name, given, static in (("input", x, self.inputs[0]),
-                                    ("target", y, self.inputs[1])):
-            if not isinstance(given, Tensor):
-                raise TypeError(f"the {name} must be a tensor, got {type(given).__name__}")
-            if given.shape != static.shape or given.dtype != static.dtype:
-                raise CaptureError(
-                    f"the {name} has shape {tuple(given.shape)} and dtype {given.dtype}; "
-                    f"this step was built for shape {tuple(static.shape)} and dtype "
-                    f"{static.dtype} (its static buffers, and a graph, have one shape): "
-                    "make another CapturedStep for the other shape")
+        super()._check_settings()
 
     # the step ---------------------------------------------------------------------------
     def step(self, x: Tensor, y: Tensor) -> Tensor:
         """One training step on (x, y); returns the loss (a tensor, overwritten by the next
         step)."""
-        self._check_batch(x, y)
-        key = self._settings()
-        if key != self._key:
-            # first step, or new solver settings: the solvers are new, any graph is stale
-            self._check_settings()
-            self._key, self._stage, self._graph = key, 0, None
-        self.inputs[0].copy_(x)
-        self.inputs[1].copy_(y)
-        if self._graph is not None:
-            self._graph.replay()
-        elif self._stage == 0:
-            self._warm(self._run)
-            self._check_settings()      # whether the step module draws is known now
-        elif self._stage == 1:
-            self._warm(self._guarded_run)
-        elif self.graphs:
-            self._capture()
-        else:
-            self._run()
-        self._stage += 1
-        self.steps += 1
-        if self.check_each_step:
-            self.check()
+        self._advance((x, y))
         if self.controller is not None:
             # after the step, outside any graph: a probe, and a change of settings that
             # the next step captures again
@@ -210,52 +324,15 @@ class CapturedStep:
             self.loss = loss.detach().clone()
         else:
             self.loss.copy_(loss.detach())
-        stats = self.model.stats
-        # static tensors of a captured step, which a replay writes again
-        self._history = {kind: stats[kind]["residuals"] for kind in PASSES}
-        self._initial = {kind: stats[kind]["initial_norm"] for kind in PASSES}
+        self._keep_history()
 
-    def _guarded_run(self) -> None:
-        """`_run` under the host-read guard; a read is refused naming where it was made."""
-        try:
-            with self.guarded():
-                self._run()
-        except HostSyncError as err:
-            raise CaptureError(
-                f"the training step reads a tensor on the host ({err}) in "
-                f"{culprit(err, self.model)}: a captured step cannot (a graph would keep "
-                "the value read at capture and the read waits for the device); keep the "
-                "value on the device (torch.where instead of if, no .item())") from None
-
-    @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
-        """Host reads raise inside (`host_reads_forbidden`), but for the step counts that
-        torch's optimizers keep on the host on a CPU (capturable=True is for CUDA alone;
-        on CUDA a host step count is refused before any step)."""
-        counts = [state["step"] for state in self.optimizer.state.values()
-                  if isinstance(state.get("step"), Tensor)
-                  and state["step"].device.type == "cpu"]
-        with host_reads_forbidden(counts):
-            yield
-
-    def _warm(self, run: Callable[[], None]) -> None:
-        """An eager step; before a capture on the stream that captures, as capturing asks
-        (libraries make per-stream handles at their first use)."""
-        if self.graphs:
-            self._capturer.warm_up(self.inputs[0], run)
-        else:
-            run()
-
-    def _capture(self) -> None:
-        """Capture the step as one CUDA graph and replay it (capturing runs nothing)."""
-        try:
-            graph = self._capturer.capture(self.inputs[0], self._run)
-        except RuntimeError as err:
-            raise CaptureError(f"capturing the training step failed ({err}): something in "
-                               "it copies between host and device or synchronises") from err
-        self._graph = graph
-        self.captures += 1
-        graph.replay()
+    def _allowed_reads(self) -> list[Tensor]:
+        """The step counts that torch's optimizers keep on the host on a CPU
+        (capturable=True is for CUDA alone; on CUDA a host step count is refused before
+        any step)."""
+        return [state["step"] for state in self.optimizer.state.values()
+                if isinstance(state.get("step"), Tensor)
+                and state["step"].device.type == "cpu"]
 
     def close(self) -> None:
         """Give the model back to eager training: its passes with gradients are ordinary
@@ -264,24 +341,70 @@ class CapturedStep:
         self.model._passes.set_captured(False)
         self._graph, self._key = None, None
 
-    # residual histories -----------------------------------------------------------------
-    def history(self) -> dict[str, Tensor]:
-        """The latest step's residual norms per pass ("forward", "backward"), float64
-        tensors on the device (views of static buffers: the next step overwrites them)."""
-        return dict(self._history)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """The latest step's cycles and residual norms per pass, read on the host."""
-        return {kind: {"iterations": len(norms), "residuals": norms.tolist()}
-                for kind, norms in self._history.items()}
+class CapturedForward(_Captured):
+    """`forward(x)` (or calling it) = `model(x)` without gradients: the opening, the forward
+    solve and the closing, on static buffers and without host reads; returns the output, a
+    tensor that the next pass overwrites.
 
-    def check(self) -> None:
-        """Read the latest step's residual norms (one host read per pass) and raise
-        `DivergenceError` at a NaN/Inf one or one past `divergence_factor` times the
-        first, naming the pass and cycle."""
-        for kind, norms in self._history.items():
-            cfg = getattr(self.model, f"{kind}_config")
-            check_norms(norms, cfg.divergence_factor, kind)
+    The pass solves as the model's mode says: in training mode with the forward options
+    (the approximate forward pass of training), in evaluation mode (`model.eval()`) with
+    the inference options (by default exact sequential stepping; give `LayerParallel` an
+    `inference=Config(levels=3, tol=0.0, max_iter=2)` to solve it with MGRIT). That solve
+    needs tol=0, keeps its residual norms on the device (`history()["forward"]`) and, with
+    `check` (default), ends every pass with one host read of them, which raises
+    `DivergenceError` at a NaN or growing residual.
+
+    On CUDA with one rank the third pass is captured as one CUDA graph and every later pass
+    replays it; the first two run eagerly (the second under the host-read guard).
+    Elsewhere the same static-buffer pass runs eagerly. A change of mode, of options
+    (`set_solvers`) or of where the parameters live is seen at the next pass, which starts
+    the stages again. Training between passes (a `CapturedStep` or eager steps that update
+    the parameters in place) is what the next replay reads. While a CapturedForward holds
+    the model its forward passes without gradients are captured solves; `close()` gives
+    them back.
+    """
+
+    what = "forward pass"
+
+    def __init__(self, model: LayerParallel, example_input: Tensor, check: bool = True
+                 ) -> None:
+        super().__init__(model, {"example_input": example_input}, check)
+        self._check_settings()
+        self.output: Tensor | None = None
+        model._passes.set_captured_no_grad(True)
+
+    def _solves(self) -> list[tuple[str, Config]]:
+        model = self.model
+        return [("forward", model.forward_config if model.training
+                 else model.inference_config)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The output for the input `x` (a tensor, overwritten by the next pass)."""
+        self._advance((x,))
+        return self.output
+
+    __call__ = forward
+
+    def _run(self) -> None:
+        """The pass's work, on the static input; its output into the static output."""
+        with torch.no_grad():
+            out = self.model(self.inputs[0])
+            if not isinstance(out, Tensor):
+                raise CaptureError(f"the model's closing must return a tensor, got "
+                                   f"{type(out).__name__}")
+            if (self.output is None or self.output.shape != out.shape
+                    or self.output.dtype != out.dtype):
+                self.output = out.detach().clone()
+            else:
+                self.output.copy_(out)
+        self._keep_history()
+
+    def close(self) -> None:
+        """Give the model back: its forward passes without gradients are ordinary solves
+        again (float residual lists in `model.stats`); the graph is dropped."""
+        self.model._passes.set_captured_no_grad(False)
+        self._graph, self._key = None, None
 
 
 def _draws(model: LayerParallel) -> bool:

@@ -48,8 +48,13 @@ class Passes:
         # ("forward" or "backward", shape, dtype, device) -> the level-0 rows a solver of the
         # options before `set_configs` left, for the solver that replaces it
         self._carried: dict[tuple, Tensor] = {}
-        # whether training's solves are captured ones (`set_captured`)
+        # whether training's solves are captured ones (`set_captured`), and forward passes
+        # without gradients (`set_captured_no_grad`)
         self.captured = False
+        self.captured_no_grad = False
+        # counts the times solvers were dropped (`set_configs`): a CUDA graph of a solve
+        # made before reads memory that may since have been given to other tensors
+        self.generation = 0
 
     def set_captured(self, captured: bool) -> None:
         """Solve the passes with gradients as captured solves (`Solver.captured`: no host
@@ -58,6 +63,19 @@ class Passes:
         if captured != self.captured:
             self.captured = captured
             self.set_configs(self.forward_config, self.backward_config, self.backward_strides)
+
+    def set_captured_no_grad(self, captured: bool) -> None:
+        """Solve forward passes without gradients (training mode's and inference's) as
+        captured solves or not. Only the solve's ending differs (`Solver.captured`), so
+        their solvers stay, with their states: a warm-started pass carries on."""
+        self.captured_no_grad = captured
+        for key, solver in self.forward_solvers.items():
+            if not key[3]:
+                solver.captured = captured
+
+    def _captured(self, keep: bool) -> bool:
+        """Whether a forward pass with (`keep`) or without gradients is a captured solve."""
+        return self.captured if keep else self.captured_no_grad
 
     def set_configs(self, forward: Config, backward: Config, backward_strides: list[int],
                     carry: bool = True) -> None:
@@ -79,13 +97,14 @@ class Passes:
         self.backward_strides = backward_strides
         self.forward_solvers = {key: s for key, s in self.forward_solvers.items() if key[4]}
         self.adjoint_solvers = {}
+        self.generation += 1
 
     def initial_norm(self, x: Tensor, keep: bool = True) -> Tensor | float:
         """The norm of a pass's given state (`keep`: a pass with gradients), what its
         residuals are relative to: a float, or in a captured pass a device scalar, as its
         residuals are (no host read)."""
         norm = torch.linalg.vector_norm(x)
-        return norm if keep and self.captured else float(norm)
+        return norm if self._captured(keep) else float(norm)
 
     def _built(self, kind: str, key: tuple, solver: Solver) -> Solver:
         """A new solver, started from what its predecessor left (`set_configs`)."""
@@ -105,7 +124,7 @@ class Passes:
             solver = Solver(prop, like, self.num_steps, 0.0, self.t_final, config,
                             self.forward_comm, blocks=self.blocks,
                             final_sweep=prop.final_sweep)
-            solver.captured = keep and self.captured
+            solver.captured = self._captured(keep)
             self.forward_solvers[key] = self._built("forward", key, solver) if keep else solver
         return self.forward_solvers[key]
 
