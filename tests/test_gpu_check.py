@@ -46,6 +46,12 @@ def test_dry_run_times_or_explains_every_method(tmp_path):
                 assert error <= 1e-5, r
             else:
                 assert error > 1e-4, r
+    # the captured methods are timed first (the baseline needs CUDA), whatever their place
+    # in the table
+    early = [m.name for m in gpu_check.METHODS if m.early and not m.cuda_only]
+    for w in gpu_check.WORKLOADS:
+        timed = [r["method"] for r in data["speed"] if r["workload"] == w]
+        assert timed[:2 * len(early)] == [m for m in early for _ in gpu_check.METRICS], timed
     # the table: every measured time, each method's row in the methods' order
     table = (tmp_path / "gpu-cpu.md").read_text()
     for r in data["speed"]:
