@@ -1,0 +1,106 @@
+"""A CPU stand-in for CUDA graph capture that replays what was recorded and nothing else, so
+that a captured step's replays are tested without a GPU as a graph would run them: no Python
+of the step runs, and whatever the step decided or counted on the host stays as it was at
+capture.
+
+`EmulatedCapture` has the `warm_up` and `capture` of `mgrit.execute.CudaCapture`. Its
+`capture(like, run)` runs `run` once while recording every aten operation (a dispatch mode)
+with the tensors it read and made; `replay()` then runs those operations again on the same
+tensors, as a graph's kernels run on the memory they were captured with:
+- in-place and `out=` operations run again on the tensors they wrote;
+- an out-of-place operation runs again and its result is copied into the tensor the capture
+  made (that tensor is what later operations, and the step's caller, hold);
+- views are not made again (the captured ones alias the same memory), nor allocations
+  without a kernel (`empty`);
+- a value read on the host while recording (`item()`, `bool(t)`) raises, as it cannot be
+  captured.
+Unlike a CUDA graph, capturing here runs the work, so the replay right after a capture (which
+`CapturedStep` makes, a graph's first run) is skipped. Work that does not go through torch's
+dispatcher (mgrit's native C kernels, called with pointers) is not recorded: use models with
+`kernels="torch"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+# allocations a graph makes once, at capture, with no kernel to replay
+ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+               aten.new_empty.default, aten.new_empty_strided.default}
+# operations that hand a tensor's value to the host
+HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+
+
+class HostRead(RuntimeError):
+    """A value was read on the host while a run was recorded."""
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise HostRead(f"{func} while capturing")
+        out = func(*args, **kwargs)
+        if func not in ALLOCATIONS and not func.is_view:
+            self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class EmulatedGraph:
+    def __init__(self, ops: list[tuple[Any, tuple, dict, Any]]) -> None:
+        self.ops = ops
+        self.replays = 0
+        self._captured_run_pending = True
+
+    def replay(self) -> None:
+        if self._captured_run_pending:      # capturing ran the work once already
+            self._captured_run_pending = False
+            return
+        self.replays += 1
+        # the operations as the dispatcher ran them, below autograd: a graph replays
+        # kernels, not the recording of an autograd graph
+        with torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                result = func(*args, **kwargs)
+                if func._schema.is_mutable:
+                    continue
+                made, _ = tree_flatten(out)
+                again, _ = tree_flatten(result)
+                for tensor, value in zip(made, again):
+                    if isinstance(tensor, Tensor):
+                        tensor.copy_(value)
+
+
+class EmulatedCapture:
+    """`warm_up` runs; `capture` records (`EmulatedGraph`). Counts both."""
+
+    def __init__(self) -> None:
+        self.warm_ups = self.captured = 0
+        self.graphs: list[EmulatedGraph] = []
+
+    def warm_up(self, like: Tensor, run: Callable[[], None]) -> None:
+        self.warm_ups += 1
+        run()
+
+    def capture(self, like: Tensor, run: Callable[[], None]) -> EmulatedGraph:
+        recording = _Recording()
+        with recording:
+            run()
+        graph = EmulatedGraph(recording.ops)
+        self.graphs.append(graph)
+        self.captured += 1
+        return graph
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.graphs)

@@ -1,0 +1,204 @@
+"""Captured steps and forward passes replayed as a CUDA graph would run them, on the CPU:
+`emulated_graphs.EmulatedCapture` records every aten operation of the captured run and its
+replays run those operations alone, on the same tensors, with no Python of the step. Numbers
+equal to eager training's then show that nothing the replays need is decided or counted on
+the host (the stand-in of test_capture replays by running the step's Python again, which
+cannot show that). Models compute with torch's kernels, which the recording sees."""
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+from mgrit.nn import CapturedForward, CapturedStep, CaptureError
+
+from emulated_graphs import EmulatedCapture
+from nets import build, data, loss_fn, optimizer
+from test_capture import BACKWARD, FORWARD, WARM, batches
+
+
+def emulated(captured):
+    captured.graphs = True
+    captured._capturer = EmulatedCapture()
+    return captured._capturer
+
+
+def eager_steps(kind, configs, steps, opt_name="sgd"):
+    model, _ = build(kind, 8, *configs, kernels="torch")
+    opt = optimizer(opt_name, model)
+    losses, histories = [], []
+    for x, y in batches(kind, steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        histories.append({p: model.stats[p]["residuals"] for p in ("forward", "backward")})
+    return losses, histories, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["dense", "gelu", "conv"])
+@pytest.mark.parametrize("configs", [(FORWARD, BACKWARD), (WARM, WARM)], ids=["zero", "warm"])
+def test_replays_without_python_give_the_eager_steps_numbers(kind, configs):
+    """Six SGD-momentum steps, the last three replays: losses, residual histories and
+    parameters bit for bit; a warm start carries on through the replays."""
+    losses, histories, params = eager_steps(kind, configs, 6)
+    model, _ = build(kind, 8, *configs, kernels="torch")
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data(kind, 4))
+    capturer = emulated(step)
+    for k, (x, y) in enumerate(batches(kind, 6)):
+        assert step.step(x, y).item() == losses[k]
+        assert step.stats()["forward"]["residuals"] == histories[k]["forward"]
+        assert step.stats()["backward"]["residuals"] == histories[k]["backward"]
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (2, 1, 3)
+    assert len(capturer.graphs[0].ops) > 100
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def test_the_emulation_freezes_what_is_decided_on_the_host():
+    """Not vacuous: a closing that scales by a number kept in Python (bumped every call)
+    trains differently in a replay, which runs the scale it was captured with."""
+    class Counting(nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            Counting.calls += 1
+            return super().forward(x) * (1.0 + 0.1 * Counting.calls)
+
+    def make():
+        torch.manual_seed(0)
+        return mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 8,
+                                   forward=FORWARD, backward=BACKWARD,
+                                   opening=nn.Linear(5, 8), closing=Counting(8, 3),
+                                   kernels="torch").double()
+
+    pairs = batches("dense", 5)
+    model = make()
+    opt = optimizer("sgd", model)
+    Counting.calls = 0
+    losses = []
+    for x, y in pairs:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model = make()
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *pairs[0])
+    emulated(step)
+    Counting.calls = 0
+    got = [step.step(x, y).item() for x, y in pairs]
+    assert got[:3] == losses[:3] and got[3:] != losses[3:]
+
+
+def test_a_step_count_kept_on_the_host_cannot_be_captured():
+    """torch's Adam on a CPU reads its step count on the host at every step (capturable=True
+    is for CUDA): its capture fails, named."""
+    model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
+    step = CapturedStep(model, loss_fn, optimizer("adam", model), *data("dense", 4))
+    emulated(step)
+    pairs = batches("dense", 3)
+    for x, y in pairs[:2]:
+        step.step(x, y)
+    with pytest.raises(CaptureError, match="capturing the training step failed.*"
+                                           "_local_scalar_dense"):
+        step.step(*pairs[2])
+
+
+@pytest.mark.parametrize("mode", ["training", "evaluation"])
+def test_forward_passes_replayed_without_python_give_the_eager_outputs(mode):
+    """Training mode (two MGRIT cycles, warm-started) and evaluation mode with MGRIT
+    inference options: outputs and histories bit for bit through three replays."""
+    inference = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
+
+    def make():
+        model, _ = build("dense", 8, WARM, BACKWARD, kernels="torch", inference=inference)
+        return model.train(mode == "training")
+
+    inputs = [x for x, _ in batches("dense", 6)]
+    model = make()
+    expected = []
+    for x in inputs:
+        with torch.no_grad():
+            expected.append((model(x), model.stats["forward"]["residuals"]))
+    model = make()
+    forward = CapturedForward(model, inputs[0])
+    capturer = emulated(forward)
+    for x, (out, history) in zip(inputs, expected):
+        assert torch.equal(forward(x), out)
+        assert forward.stats()["forward"]["residuals"] == history
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (2, 1, 3)
+
+
+def test_a_replayed_step_and_a_replayed_forward_pass_take_turns():
+    """The step's replays update the parameters in place and the pass's replays read them:
+    the numbers of eager steps and passes taking the same turns."""
+    pairs = batches("dense", 6)
+    model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
+    opt = optimizer("sgd", model)
+    expected = []
+    for x, y in pairs:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            expected.append(model(x))
+    model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *pairs[0])
+    forward = CapturedForward(model, pairs[0][0])
+    captures = emulated(step), emulated(forward)
+    for k, (x, y) in enumerate(pairs):
+        step.step(x, y)
+        assert torch.equal(forward(x), expected[k])
+    assert [c.replays for c in captures] == [3, 3]
+
+
+def test_a_transformer_stack_replays_with_the_eager_numbers():
+    """TransformerBlock (batched step, causal attention): five SGD steps, losses and
+    parameters equal to eager training's to the bit."""
+    def make():
+        torch.manual_seed(0)
+        model = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, 16, causal=True),
+                                    8, forward=FORWARD, backward=BACKWARD,
+                                    closing=nn.Linear(8, 8), kernels="torch").double()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    gen = torch.Generator().manual_seed(1)
+    pairs = [tuple(torch.randn(2, 5, 8, generator=gen, dtype=torch.float64) for _ in "xy")
+             for _ in range(5)]
+    mse = nn.functional.mse_loss
+    model, opt = make()
+    losses = []
+    for x, y in pairs:
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    eager = [p.detach().clone() for p in model.parameters()]
+    model, opt = make()
+    step = CapturedStep(model, mse, opt, *pairs[0])
+    capturer = emulated(step)
+    assert [step.step(x, y).item() for x, y in pairs] == losses
+    assert capturer.replays == 2
+    assert all(torch.equal(a, b) for a, b in zip(eager, model.parameters()))
+
+
+def test_a_controllers_probes_between_replays_leave_training_as_it_was():
+    """A controller probing every second step (eagerly, on solvers of its own, the
+    gradients put back afterwards) between replays: training has the numbers of eager
+    training without a controller, and the probes measured a gradient error."""
+    steady = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
+                                             mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
+    losses, _, params = eager_steps("dense", (FORWARD, BACKWARD), 7)
+    model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
+    controller = mgrit.nn.Controller(model, calibration=steady, every=2, max_every=2,
+                                     warm_trials=False, hierarchies=False)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
+                        controller=controller)
+    capturer = emulated(step)
+    assert [step.step(x, y).item() for x, y in batches("dense", 7)] == losses
+    assert capturer.replays == 4 and not controller.decisions
+    assert [p["step"] for p in controller.probes] == [0, 2, 4, 6]
+    assert all(p["error"] > 0 for p in controller.probes)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
