@@ -372,7 +372,8 @@ def test_captured_step_on_several_ranks_gives_the_eager_steps_numbers(mpi, nproc
     assert controls[0]["probes"] and all(c == controls[0] for c in controls)
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# run by `pytest -m gpu` (benchmarks/gpu_check.sh), skipped without a CUDA device
+needs_gpu = pytest.mark.gpu
 
 
 @needs_gpu

@@ -251,7 +251,8 @@ def test_on_two_ranks_the_captured_forward_gives_the_eager_passes_numbers():
     assert run_ranks(2, program) == [[True] * 8] * 2
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# run by `pytest -m gpu` (benchmarks/gpu_check.sh), skipped without a CUDA device
+needs_gpu = pytest.mark.gpu
 
 
 @needs_gpu

@@ -177,7 +177,8 @@ def test_a_conversion_drops_the_captured_sweeps(monkeypatch):
     assert solver.executor.graphs.captured > before
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# run by `pytest -m gpu` (benchmarks/gpu_check.sh), skipped without a CUDA device
+needs_gpu = pytest.mark.gpu
 
 
 @needs_gpu
