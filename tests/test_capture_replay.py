@@ -37,8 +37,14 @@ def eager_steps(kind, configs, steps, opt_name="sgd"):
     return losses, histories, [p.detach().clone() for p in model.parameters()]
 
 
+# no cycle from a nested start: the cheapest setting, which the GPU check times
+NESTED = mgrit.Config(levels=2, coarsening=4, relax="F", tol=0.0, max_iter=0, min_coarse=1,
+                      initial_guess="nested")
+
+
 @pytest.mark.parametrize("kind", ["dense", "gelu", "conv"])
-@pytest.mark.parametrize("configs", [(FORWARD, BACKWARD), (WARM, WARM)], ids=["zero", "warm"])
+@pytest.mark.parametrize("configs", [(FORWARD, BACKWARD), (WARM, WARM), (NESTED, NESTED)],
+                         ids=["zero", "warm", "no cycle"])
 def test_replays_without_python_give_the_eager_steps_numbers(kind, configs):
     """Six SGD-momentum steps, the last three replays: losses, residual histories and
     parameters bit for bit; a warm start carries on through the replays."""
