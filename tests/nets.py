@@ -186,6 +186,18 @@ def optimizer(name: str, model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
+def train_eagerly(model, opt, loss, pairs):
+    """The losses of plain eager training steps on the (input, target) `pairs`."""
+    losses = []
+    for x, y in pairs:
+        opt.zero_grad()
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    return losses
+
+
 class ForcedPolicy(mgrit.nn.Policy):
     """A controller policy that measures nothing and moves to `target` at the first probe
     (every `every` steps): a test's way to make the controller change the solvers."""

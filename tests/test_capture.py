@@ -14,7 +14,7 @@ from mgrit.nn.capture import _check_optimizer
 from mgrit.nn.capture_guard import HostSyncError, host_reads_forbidden
 
 from cases import resnet_problem
-from nets import ForcedPolicy, build, data, loss_fn, optimizer
+from nets import ForcedPolicy, build, data, loss_fn, optimizer, train_eagerly
 
 FORWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
 BACKWARD = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1)
@@ -26,9 +26,9 @@ def batches(kind, count):
     return [data(kind, 4, seed=k) for k in range(count)]
 
 
-def eager_run(kind, opt_name, forward, backward, steps, change=None):
+def eager_run(kind, opt_name, forward, backward, steps, change=None, kernels=None):
     """Losses, parameters and residual histories of plain eager training steps."""
-    model, _ = build(kind, 8, forward, backward)
+    model, _ = build(kind, 8, forward, backward, kernels=kernels)
     opt = optimizer(opt_name, model)
     losses, histories = [], []
     for k, (x, y) in enumerate(batches(kind, steps)):
@@ -434,31 +434,32 @@ def test_closing_gives_the_model_back_to_eager_training():
     loss_fn(model(pairs[0][0]), pairs[0][1]).backward()
 
 
-def test_a_transformer_stack_is_captured_with_the_eager_numbers():
-    """TransformerBlock (batched step, causal attention, a dropout of p = 0 that draws
-    nothing): 4 Adam steps, losses and parameters equal to the eager step's to the bit."""
+def transformer_case(steps, adam=True, kernels=None):
+    """A maker of a TransformerBlock stack (batched step, causal attention, a dropout of
+    p = 0 that draws nothing) and its optimizer, (input, target) pairs, and eager
+    training's losses and parameters after those steps."""
     def make():
         torch.manual_seed(0)
         model = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, 16, causal=True),
                                     8, forward=FORWARD, backward=BACKWARD,
-                                    closing=nn.Linear(8, 8)).double()
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+                                    closing=nn.Linear(8, 8), kernels=kernels).double()
+        return model, (torch.optim.Adam(model.parameters(), lr=1e-3) if adam else
+                       torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
 
     gen = torch.Generator().manual_seed(1)
     pairs = [tuple(torch.randn(2, 5, 8, generator=gen, dtype=torch.float64) for _ in "xy")
-             for _ in range(4)]
-    mse = nn.functional.mse_loss
+             for _ in range(steps)]
     model, opt = make()
-    losses = []
-    for x, y in pairs:
-        opt.zero_grad()
-        loss = mse(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    eager = [p.detach().clone() for p in model.parameters()]
+    losses = train_eagerly(model, opt, nn.functional.mse_loss, pairs)
+    return make, pairs, losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_transformer_stack_is_captured_with_the_eager_numbers():
+    """4 Adam steps of a transformer stack: losses and parameters equal to the eager
+    step's to the bit."""
+    make, pairs, losses, eager = transformer_case(4)
     model, opt = make()
-    step = CapturedStep(model, mse, opt, *pairs[0])
+    step = CapturedStep(model, nn.functional.mse_loss, opt, *pairs[0])
     assert [step.step(x, y).item() for x, y in pairs] == losses
     assert all(torch.equal(a, b) for a, b in zip(eager, model.parameters()))
     assert not any(torch.equal(a, b) for a, b in zip(eager, make()[0].parameters()))

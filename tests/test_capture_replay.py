@@ -13,28 +13,14 @@ import mgrit
 from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture
-from nets import build, data, loss_fn, optimizer
-from test_capture import BACKWARD, FORWARD, WARM, batches
+from nets import build, data, loss_fn, optimizer, train_eagerly
+from test_capture import BACKWARD, FORWARD, WARM, batches, eager_run, transformer_case
 
 
 def emulated(captured):
     captured.graphs = True
     captured._capturer = EmulatedCapture()
     return captured._capturer
-
-
-def eager_steps(kind, configs, steps, opt_name="sgd"):
-    model, _ = build(kind, 8, *configs, kernels="torch")
-    opt = optimizer(opt_name, model)
-    losses, histories = [], []
-    for x, y in batches(kind, steps):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        histories.append({p: model.stats[p]["residuals"] for p in ("forward", "backward")})
-    return losses, histories, [p.detach().clone() for p in model.parameters()]
 
 
 # no cycle from a nested start: the cheapest setting, which the GPU check times
@@ -48,7 +34,7 @@ NESTED = mgrit.Config(levels=2, coarsening=4, relax="F", tol=0.0, max_iter=0, mi
 def test_replays_without_python_give_the_eager_steps_numbers(kind, configs):
     """Six SGD-momentum steps, the last three replays: losses, residual histories and
     parameters bit for bit; a warm start carries on through the replays."""
-    losses, histories, params = eager_steps(kind, configs, 6)
+    losses, params, histories = eager_run(kind, "sgd", *configs, 6, kernels="torch")
     model, _ = build(kind, 8, *configs, kernels="torch")
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data(kind, 4))
     capturer = emulated(step)
@@ -80,15 +66,8 @@ def test_the_emulation_freezes_what_is_decided_on_the_host():
 
     pairs = batches("dense", 5)
     model = make()
-    opt = optimizer("sgd", model)
     Counting.calls = 0
-    losses = []
-    for x, y in pairs:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_eagerly(model, optimizer("sgd", model), loss_fn, pairs)
     model = make()
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *pairs[0])
     emulated(step)
@@ -162,28 +141,9 @@ def test_a_replayed_step_and_a_replayed_forward_pass_take_turns():
 def test_a_transformer_stack_replays_with_the_eager_numbers():
     """TransformerBlock (batched step, causal attention): five SGD steps, losses and
     parameters equal to eager training's to the bit."""
-    def make():
-        torch.manual_seed(0)
-        model = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, 16, causal=True),
-                                    8, forward=FORWARD, backward=BACKWARD,
-                                    closing=nn.Linear(8, 8), kernels="torch").double()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    gen = torch.Generator().manual_seed(1)
-    pairs = [tuple(torch.randn(2, 5, 8, generator=gen, dtype=torch.float64) for _ in "xy")
-             for _ in range(5)]
-    mse = nn.functional.mse_loss
+    make, pairs, losses, eager = transformer_case(5, adam=False, kernels="torch")
     model, opt = make()
-    losses = []
-    for x, y in pairs:
-        opt.zero_grad()
-        loss = mse(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    eager = [p.detach().clone() for p in model.parameters()]
-    model, opt = make()
-    step = CapturedStep(model, mse, opt, *pairs[0])
+    step = CapturedStep(model, nn.functional.mse_loss, opt, *pairs[0])
     capturer = emulated(step)
     assert [step.step(x, y).item() for x, y in pairs] == losses
     assert capturer.replays == 2
@@ -196,7 +156,7 @@ def test_a_controllers_probes_between_replays_leave_training_as_it_was():
     training without a controller, and the probes measured a gradient error."""
     steady = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
                                              mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
-    losses, _, params = eager_steps("dense", (FORWARD, BACKWARD), 7)
+    losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 7, kernels="torch")
     model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
     controller = mgrit.nn.Controller(model, calibration=steady, every=2, max_every=2,
                                      warm_trials=False, hierarchies=False)
