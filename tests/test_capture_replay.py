@@ -5,6 +5,8 @@ equal to eager training's then show that nothing the replays need is decided or 
 the host (the stand-in of test_capture replays by running the step's Python again, which
 cannot show that). Models compute with torch's kernels, which the recording sees."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -168,3 +170,55 @@ def test_a_controllers_probes_between_replays_leave_training_as_it_was():
     assert [p["step"] for p in controller.probes] == [0, 2, 4, 6]
     assert all(p["error"] > 0 for p in controller.probes)
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+# sweep graphs (Config.cuda_graphs): the relaxation sweeps between a rank's messages --------
+
+def _train_with_sweep_graphs(graphs, comm=None, steps=4):
+    cfg = dict(levels=3, coarsening=2, min_coarse=1, relax=("F", "FCF"), tol=0.0)
+    model, _ = build("dense", 16, mgrit.Config(max_iter=2, cuda_graphs=graphs, **cfg),
+                     mgrit.Config(max_iter=1, cuda_graphs=graphs, **cfg), comm=comm,
+                     kernels="torch")
+    opt = optimizer("sgd", model)
+    outs = [torch.tensor(train_eagerly(model, opt, loss_fn, batches("dense", steps)))]
+    model.eval()
+    with torch.no_grad():
+        outs.append(model(batches("dense", 1)[0][0]))
+    graphs_of = [s.executor.graphs for s in model._passes.forward_solvers.values()
+                 if s.executor.graphs is not None]
+    return outs, (sum(g.captured for g in graphs_of), sum(g.replayed for g in graphs_of))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sweep_graphs_replayed_without_python_give_the_replays_that_rerun_it(
+        monkeypatch, ranks):
+    """Training and an evaluation pass with every relaxation sweep captured (on one rank,
+    and between the messages of two virtual ranks): sweeps replayed as their recorded
+    operations alone give the numbers of sweeps replayed by running them again, to the
+    bit, and those of training without graphs to round-off (without graphs the phases run
+    as planned loops, a different order of the same operations)."""
+    from mgrit.comm.virtual import run_ranks
+    from mgrit.execute import SweepGraphs
+    from mgrit.execute import graphs as graph_module
+    from test_graphs import _Capture
+
+    monkeypatch.setattr(SweepGraphs, "device_types", ("cpu",))
+    # each virtual rank (a thread) makes the stand-ins of its own run
+    chosen = threading.local()
+    monkeypatch.setattr(graph_module, "CudaCapture", lambda: chosen.capture())
+
+    def program(comm):
+        runs = {}
+        for name, capture in (("emulated", EmulatedCapture), ("rerun", lambda: _Capture([]))):
+            chosen.capture = capture
+            runs[name] = _train_with_sweep_graphs(True, comm)
+        without, none = _train_with_sweep_graphs(False, comm)
+        (emulated, counts), (rerun, _) = runs["emulated"], runs["rerun"]
+        return ([torch.equal(a, b) for a, b in zip(emulated, rerun)],
+                max(float((a - b).abs().max() / b.abs().max())
+                    for a, b in zip(emulated, without)), counts, none)
+
+    results = [program(None)] if ranks == 1 else run_ranks(ranks, program)
+    for equal, error, (captured, replayed), none in results:
+        assert equal == [True, True] and error <= 1e-12 and none == (0, 0)
+        assert captured >= 2 and replayed > captured
