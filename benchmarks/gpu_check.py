@@ -9,12 +9,13 @@ Every method of `METHODS` times a no-grad forward pass and a whole training step
 loss, backward, optimizer update) of each workload, all methods of a workload next to each
 other in one process (the baseline and mgrit's captured step and forward pass first, so
 that a job cut off by its limit loses the others), with CUDA events after untimed warm-up
-calls (median of the repeats). The first method, serial PyTorch with the whole step captured as one CUDA graph,
-is the strongest baseline; every ratio is against it. torch.compile (mode
-"reduce-overhead") runs last, in a process of its own per workload under --compile-limit,
-so a slow compile costs no other measurement. Before it is timed, every method's first
-forward output and first update (from the common initial weights) are compared with serial
-eager PyTorch's: a method that times something else than the step shows there.
+calls (median of the repeats). The first method, serial PyTorch with the whole step
+captured as one CUDA graph, is the strongest baseline; every ratio is against it.
+torch.compile (mode "reduce-overhead") runs last, in a process of its own per workload
+under --compile-limit, so a slow compile costs no other measurement. Before it is timed,
+every method's first forward output and first update (from the common initial weights) are
+compared with serial eager PyTorch's: a method that times something else than the step
+shows there.
 
 DIR/gpu-<device>.json is rewritten after every method, so a run stopped by its time limit
 keeps all it measured; DIR/gpu-<device>.md is the table. A method that cannot run here

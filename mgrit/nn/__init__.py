@@ -8,9 +8,10 @@ one or a live model), `checks` (what it checks before it solves), `clipping` (gr
 the whole network's norm), `defaults` (training's solver settings) and `controller` (how far
 the inexact gradients are from exact ones, and changing the solvers between steps to keep
 them close, at the least cost by a model calibrated on the network: `calibrate`,
-`choose_settings`), `capture` (a whole training step on static buffers without host reads,
-as one CUDA graph where it can). The machinery behind them (layer stack, propagators, solvers, ghost layers,
-gradients, keyed random draws) lives in `engine`, which never imports these modules."""
+`choose_settings`), `capture` (a whole training step, or a forward pass without gradients,
+on static buffers without host reads, as one CUDA graph where it can). The machinery behind
+them (layer stack, propagators, solvers, ghost layers, gradients, keyed random draws) lives
+in `engine`, which never imports these modules."""
 
 from .checkpoint import CheckpointError
 from .export import serial_state_dict

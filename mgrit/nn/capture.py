@@ -203,6 +203,16 @@ class _Captured:
         self.captures += 1
         graph.replay()
 
+    def _hold(self, captured: bool) -> None:
+        """Make the model's passes of this kind captured solves (True) or ordinary ones."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give the model back: its passes of this kind are ordinary solves again (a
+        tolerance allowed, float residual lists in `model.stats`); the graph is dropped."""
+        self._hold(False)
+        self._graph, self._key = None, None
+
     def _keep_history(self) -> None:
         """The latest run's residual norms: static tensors, which a replay writes again."""
         stats = self.model.stats
@@ -281,7 +291,7 @@ class CapturedStep(_Captured):
         if self.device.type == "cuda":
             _check_optimizer(optimizer)
         self.loss: Tensor | None = None
-        model._passes.set_captured(True)
+        self._hold(True)
 
     @property
     def steps(self) -> int:
@@ -334,12 +344,10 @@ class CapturedStep(_Captured):
                 if isinstance(state.get("step"), Tensor)
                 and state["step"].device.type == "cpu"]
 
-    def close(self) -> None:
-        """Give the model back to eager training: its passes with gradients are ordinary
-        solves again (a tolerance allowed, float residual lists in `model.stats`), the
-        graph is dropped; the solvers are built again, warm from where these left off."""
-        self.model._passes.set_captured(False)
-        self._graph, self._key = None, None
+    def _hold(self, captured: bool) -> None:
+        """The passes with gradients; their solvers are built again, warm from where the
+        old ones left off (`Passes.set_captured`)."""
+        self.model._passes.set_captured(captured)
 
 
 class CapturedForward(_Captured):
@@ -372,7 +380,7 @@ class CapturedForward(_Captured):
         super().__init__(model, {"example_input": example_input}, check)
         self._check_settings()
         self.output: Tensor | None = None
-        model._passes.set_captured_no_grad(True)
+        self._hold(True)
 
     def _solves(self) -> list[tuple[str, Config]]:
         model = self.model
@@ -400,11 +408,10 @@ class CapturedForward(_Captured):
                 self.output.copy_(out)
         self._keep_history()
 
-    def close(self) -> None:
-        """Give the model back: its forward passes without gradients are ordinary solves
-        again (float residual lists in `model.stats`); the graph is dropped."""
-        self.model._passes.set_captured_no_grad(False)
-        self._graph, self._key = None, None
+    def _hold(self, captured: bool) -> None:
+        """The forward passes without gradients; their solvers stay, with their states
+        (`Passes.set_captured_no_grad`)."""
+        self.model._passes.set_captured_no_grad(captured)
 
 
 def _draws(model: LayerParallel) -> bool:

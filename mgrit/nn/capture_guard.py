@@ -5,9 +5,10 @@ A CUDA graph replays kernels and nothing else: a value read on the host while it
 captured (`.item()`, `float(t)`, `if t:`, `.tolist()`, a copy to the CPU) is baked into the
 graph as the number it was then, and the read itself waits for the device, which a step that
 should run ahead of the host cannot afford. The guard patches those Tensor methods while a
-thread is inside it, and they raise in that thread alone. Reads by the communicator (`mgrit.comm`: messages between ranks go through host
-buffers, between graphs) and reads of tensors named `allowed` (the host-side step counts of
-torch's optimizers on a CPU) go through.
+thread is inside it, and they raise in that thread alone. Reads by the communicator
+(`mgrit.comm`: messages between ranks go through host buffers, between graphs) and reads of
+tensors named `allowed` (the host-side step counts of torch's optimizers on a CPU) go
+through.
 """
 
 from __future__ import annotations
