@@ -66,6 +66,15 @@ class _ReplayByRunning:
         return Graph()
 
 
+def stand_in(captured, capture=None):
+    """Make `captured` (a CapturedStep or CapturedForward) go through its stages as on one
+    CUDA rank, with the CPU stand-in `capture` for CUDA capture (default: a
+    `_ReplayByRunning`); returns the stand-in."""
+    captured.graphs = True
+    captured._capturer = capture if capture is not None else _ReplayByRunning()
+    return captured._capturer
+
+
 @pytest.mark.parametrize("kind", ["dense", "gelu", "conv"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 @pytest.mark.parametrize("configs", [(FORWARD, BACKWARD), (WARM, WARM)], ids=["zero", "warm"])
@@ -283,8 +292,7 @@ def test_settings_changed_by_set_solvers_are_captured_again():
                                           (change, more))
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
-    step.graphs = True
-    step._capturer = capturer = _ReplayByRunning()
+    capturer = stand_in(step)
     counts = []
     for k, (x, y) in enumerate(batches("dense", steps)):
         if k == change:
@@ -308,8 +316,7 @@ def test_the_same_options_set_again_build_new_solvers_which_are_captured_again()
                                   (change, (FORWARD, BACKWARD)))
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
-    step.graphs = True
-    step._capturer = capturer = _ReplayByRunning()
+    capturer = stand_in(step)
     for k, (x, y) in enumerate(batches("dense", steps)):
         if k == change:
             model.set_solvers(FORWARD, BACKWARD)
@@ -485,8 +492,7 @@ def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
                                      warm_trials=False, hierarchies=False)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
                         controller=controller)
-    step.graphs = True
-    step._capturer = capturer = _ReplayByRunning()
+    capturer = stand_in(step)
     for k, (x, y) in enumerate(batches("dense", 7)):
         trained = (model.forward_config, model.backward_config)
         step.step(x, y)
@@ -516,8 +522,7 @@ def test_a_controllers_change_is_captured_again_with_the_eager_numbers():
     losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 6, (1, options))
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
                         controller=controller)
-    step.graphs = True
-    step._capturer = capturer = _ReplayByRunning()
+    capturer = stand_in(step)
     for k, (x, y) in enumerate(batches("dense", 6)):
         assert step.step(x, y).item() == losses[k]
     assert (model.forward_config, model.backward_config) == options

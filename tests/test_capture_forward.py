@@ -15,7 +15,7 @@ from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 from mgrit.nn.capture_guard import HostSyncError
 
 from nets import build, data, loss_fn, optimizer
-from test_capture import BACKWARD, FORWARD, WARM, _ReplayByRunning, batches
+from test_capture import BACKWARD, FORWARD, WARM, batches, stand_in
 
 MGRIT_INFERENCE = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1,
                                relax="FCF")
@@ -51,8 +51,7 @@ def test_captured_forward_gives_the_eager_passes_numbers_to_the_bit(kind, mode):
     outputs, histories = eager_passes(make(kind, mode)[0], inputs)
     model, serial = make(kind, mode)
     captured = CapturedForward(model, inputs[0])
-    captured.graphs = True
-    captured._capturer = capturer = _ReplayByRunning()
+    capturer = stand_in(captured)
     for k, x in enumerate(inputs):
         out = captured(x)
         assert torch.equal(out, outputs[k])
@@ -99,12 +98,6 @@ def test_no_host_read_inside_a_pass_and_the_guard_is_live():
         assert torch.equal(out, outputs[k])
 
 
-def _stand_in(captured):
-    captured.graphs = True
-    captured._capturer = _ReplayByRunning()
-    return captured._capturer
-
-
 def test_training_between_passes_is_what_the_next_pass_reads():
     """Three passes, then a captured step and a captured forward pass on one model taking
     turns (the step updates the parameters in place, the pass's graph reads them): the
@@ -128,7 +121,7 @@ def test_training_between_passes_is_what_the_next_pass_reads():
             counts.append((capturer.warm_ups, capturer.captured, capturer.replays))
             return out
         if forward is not None:
-            capturer = _stand_in(forward)
+            capturer = stand_in(forward)
         outs = [fwd(x0) for _ in range(3)]
         step = CapturedStep(model, loss_fn, opt, *pairs[0]) if captured else None
         for x, y in pairs:
@@ -160,7 +153,7 @@ def test_a_new_mode_options_or_solvers_start_the_stages_again():
     def run(captured):
         model, _ = make("dense", "training")
         forward = CapturedForward(model, x) if captured else None
-        capturer = _stand_in(forward) if captured else None
+        capturer = stand_in(forward) if captured else None
         outs = []
         for k in range(12):
             if k in changes:

@@ -16,13 +16,12 @@ from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture
 from nets import build, data, loss_fn, optimizer, train_eagerly
-from test_capture import BACKWARD, FORWARD, WARM, batches, eager_run, transformer_case
+from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, stand_in,
+                          transformer_case)
 
 
 def emulated(captured):
-    captured.graphs = True
-    captured._capturer = EmulatedCapture()
-    return captured._capturer
+    return stand_in(captured, EmulatedCapture())
 
 
 # no cycle from a nested start: the cheapest setting, which the GPU check times
