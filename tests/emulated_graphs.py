@@ -15,7 +15,10 @@ tensors, as a graph's kernels run on the memory they were captured with:
 - a value read on the host while recording (`item()`, `bool(t)`) raises, as it cannot be
   captured.
 Unlike a CUDA graph, capturing here runs the work, so the replay right after a capture (which
-`CapturedStep` makes, a graph's first run) is skipped. Work that does not go through torch's
+`CapturedStep` makes, a graph's first run) is skipped. With a model's `Cuts` (several ranks),
+`capture` cuts the recording at every message, as `CudaCapture` does (`capture_between`):
+each stretch between two messages is a graph of its own, the messages are host steps (their
+own operations are not recorded), and the result is a `mgrit.execute.graphs.Segmented`. Work that does not go through torch's
 dispatcher (mgrit's native C kernels, called with pointers) is not recorded: use models with
 `kernels="torch"`.
 """
@@ -28,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from mgrit.execute.graphs import Segmented, capture_between
 
 aten = torch.ops.aten
 # allocations a graph makes once, at capture, with no kernel to replay
@@ -45,9 +50,12 @@ class _Recording(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, Any]] = []
+        self.paused = False     # between graphs: a host step's own operations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if func in HOST_READS:
             raise HostRead(f"{func} while capturing")
         out = func(*args, **kwargs)
@@ -87,20 +95,44 @@ class EmulatedCapture:
     def __init__(self) -> None:
         self.warm_ups = self.captured = 0
         self.graphs: list[EmulatedGraph] = []
+        self.programs: list[Segmented] = []
 
     def warm_up(self, like: Tensor, run: Callable[[], None]) -> None:
         self.warm_ups += 1
         run()
 
-    def capture(self, like: Tensor, run: Callable[[], None]) -> EmulatedGraph:
-        recording = _Recording()
-        with recording:
-            run()
-        graph = EmulatedGraph(recording.ops)
-        self.graphs.append(graph)
+    def capture(self, like: Tensor, run: Callable[[], None], cuts: Any = None) -> Any:
+        """One `EmulatedGraph` of `run`; with `cuts`, a `Segmented` run of them between its
+        messages (as `CudaCapture` makes on several ranks)."""
         self.captured += 1
-        return graph
+        recording = _Recording()
+        if cuts is None:
+            with recording:
+                run()
+            graph = EmulatedGraph(recording.ops)
+            self.graphs.append(graph)
+            return graph
+
+        def begin() -> None:
+            recording.ops, recording.paused = [], False
+
+        def end() -> EmulatedGraph | None:
+            recording.paused = True
+            if not recording.ops:
+                return None
+            graph = EmulatedGraph(recording.ops)
+            graph._captured_run_pending = False     # `Segmented` skips the whole first run
+            self.graphs.append(graph)
+            return graph
+
+        with recording:
+            program = capture_between(cuts, run, begin, end)
+        self.programs.append(program)
+        return program
 
     @property
     def replays(self) -> int:
+        """Replays of the graphs, or of the runs of graphs between messages."""
+        if self.programs:
+            return sum(p.replays for p in self.programs)
         return sum(g.replays for g in self.graphs)

@@ -1,14 +1,19 @@
 """CUDA graphs of whole relaxation sweeps: captured at a sweep's second use, replayed
-after, while the memory the sweep reads stays where it was."""
+after, while the memory the sweep reads stays where it was; and runs captured as graphs
+between their messages (`Segmented`, `capture_between`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+import warnings
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 from torch import Tensor
 
+from ..comm.cuts import Cuts
 from ..core.propagator import Capabilities
+
+T = TypeVar("T")
 
 
 class CudaCapture:
@@ -32,12 +37,136 @@ class CudaCapture:
             sweep()
         caller.wait_stream(stream)
 
-    def capture(self, like: Tensor, sweep: Callable[[], None]) -> Any:
-        """A CUDA graph of `sweep`'s kernels (capturing runs none of them)."""
+    def capture(self, like: Tensor, sweep: Callable[[], None], cuts: Cuts | None = None
+                ) -> Any:
+        """A CUDA graph of `sweep`'s kernels (capturing runs none of them); with `cuts`
+        (of the communicators `sweep` sends with), a `Segmented` run of graphs between its
+        messages (capturing runs it once)."""
+        if cuts is not None:
+            return self._capture_between(like, sweep, cuts)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self._stream(like.device)):
             sweep()
         return graph
+
+    def _capture_between(self, like: Tensor, run: Callable[[], None], cuts: Cuts
+                         ) -> "Segmented":
+        """`run` as graphs between its messages, on the side stream, their memory from one
+        pool (graphs that share a pool must replay in the order they were captured, which
+        a `Segmented` does)."""
+        stream, caller = self._stream(like.device), torch.cuda.current_stream(like.device)
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()        # as torch.cuda.graph does before a capture
+        graphs: list[Any] = []
+
+        def begin() -> None:
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+
+        def end() -> Any:
+            graph = graphs[-1]
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                graph.capture_end()
+            empty = False
+            for w in seen:      # a graph between two messages may hold no work
+                if "CUDA Graph is empty" in str(w.message):
+                    empty = True
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if empty:
+                return None
+            graph.replay()      # the host step after it reads what it computes
+            return graph
+
+        def abort() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graphs[-1].capture_end()
+
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            program = capture_between(cuts, run, begin, end, abort)
+        caller.wait_stream(stream)
+        return program
+
+
+class Segmented:
+    """A run captured as graphs between host steps (its messages, `mgrit.comm.cuts`): a
+    replay runs them in the run's order. Capturing ran the run once (each graph was run as
+    soon as it was captured, before the host step that reads it), so the first replay,
+    which the capturer's caller makes as after any capture, is skipped."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], Any]] = []
+        self.graphs = 0
+        self.host_steps = 0
+        self.replays = 0
+        self._ran = True
+
+    def replay(self) -> None:
+        if self._ran:
+            self._ran = False
+            return
+        self.replays += 1
+        for step in self.steps:
+            step()
+
+
+class _Cutting:
+    """The session (`mgrit.comm.cuts.Session`) of a run captured between its messages:
+    `begin()` starts capturing a graph; `end()` ends it and returns the graph, run once,
+    or None where it holds no work."""
+
+    def __init__(self, begin: Callable[[], None], end: Callable[[], Any]) -> None:
+        self._begin, self._end = begin, end
+        self.program = Segmented()
+        self.capturing = False
+
+    def open(self) -> None:
+        self._begin()
+        self.capturing = True
+
+    def close(self) -> None:
+        self.capturing = False
+        graph = self._end()
+        if graph is not None:
+            self.program.steps.append(graph.replay)
+            self.program.graphs += 1
+
+    def host(self, action: Callable[[], T]) -> T:
+        self.close()
+        result = action()
+        self.program.steps.append(action)
+        self.program.host_steps += 1
+        self.open()
+        return result
+
+
+def capture_between(cuts: Cuts, run: Callable[[], None], begin: Callable[[], None],
+                    end: Callable[[], Any], abort: Callable[[], None] | None = None
+                    ) -> Segmented:
+    """`run` captured as graphs between its messages (`begin` and `end` as `_Cutting`
+    takes them: CUDA's, or a test's stand-in); a run that fails or leaves a message
+    incomplete ends the capture in progress (`abort`, default `end`) and raises."""
+    session = _Cutting(begin, end)
+    cuts.begin(session)
+    try:
+        session.open()
+        run()
+        session.close()
+    except BaseException:
+        if session.capturing:
+            session.capturing = False
+            try:
+                (abort or end)()
+            except Exception:   # pragma: no cover - the run's own error is the one to see
+                pass
+        cuts.end(complete=False)
+        raise
+    cuts.end()
+    return session.program
 
 
 class SweepGraphs:

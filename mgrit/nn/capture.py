@@ -1,6 +1,7 @@
 """`CapturedStep`: a whole layer-parallel training step (forward solve, loss, adjoint solve,
 parameter gradients, optimizer update) on static buffers and without host reads, captured
-as one CUDA graph on a one-rank CUDA model and replayed, run eagerly elsewhere;
+on a CUDA model as one CUDA graph (one rank) or as graphs between its messages (several
+ranks, `mgrit.comm.cuts`) and replayed, run eagerly elsewhere;
 `CapturedForward`: the same for a forward pass without gradients (opening, forward solve,
 closing), in training or in evaluation mode.
 
@@ -11,7 +12,8 @@ switched on for training's passes by `Passes.set_captured` and for passes withou
 gradients by `Passes.set_captured_no_grad`. This module checks what cannot be captured,
 before any capture, and runs the stages of a step or pass: an eager first one that builds
 the solvers (and the optimizer's state), a second under the host-read guard
-(`capture_guard`), then the capture and its replays (docs/training.md, "Captured steps").
+(`capture_guard`; on several ranks its messages checked as a capture needs them), then
+the capture and its replays (docs/training.md, "Captured steps").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..comm.cuts import CutError, Cuts, Running
 from ..core.config import Config
 from ..core.device_history import check_norms
 from ..execute import CudaCapture
@@ -58,10 +61,10 @@ class _Captured:
         self.model = model
         self.check_each_step = bool(check)
         self.device = next(iter(examples.values())).device
-        # captured as one graph: a CUDA model on one rank without replicas, whose messages
-        # (there are none) need no host between them
-        self.graphs = (self.device.type == "cuda" and model.comm.size == 1
-                       and model.data_comm is None)
+        # captured on a CUDA model without replicas: as one graph on one rank; on several,
+        # as graphs between the messages, which its communicators cut out (`CutComm`)
+        self.graphs = self.device.type == "cuda" and model.data_comm is None
+        self._cuts: Cuts | None = getattr(model.comm, "cuts", None)
         self._names = [name.removeprefix("example_") for name in examples]
         self.inputs = tuple(value.detach().clone() for value in examples.values())
         self._history: dict[str, Tensor] = {}
@@ -110,7 +113,8 @@ class _Captured:
             if cfg.cuda_graphs and self.graphs:
                 raise CaptureError(
                     f"the {kind} solve has cuda_graphs=True, which captures relaxation "
-                    f"sweeps in graphs of their own; a captured {self.what} is one graph, "
+                    f"sweeps in graphs of their own; a captured {self.what} is captured "
+                    "whole (one graph, or graphs between its messages on several ranks), "
                     "and graphs do not nest: use cuda_graphs=False")
         if model.training and _draws(model):
             raise CaptureError(
@@ -135,8 +139,8 @@ class _Captured:
     # the stages -------------------------------------------------------------------------
     def _advance(self, given: tuple[Tensor, ...]) -> None:
         """One run on `given`: eager while the solvers and their states are being built,
-        then eager under the guard, then captured and replayed (on CUDA with one rank; run
-        eagerly elsewhere); from the start again when the settings changed."""
+        then eager under the guard, then captured and replayed (on CUDA; run eagerly
+        elsewhere); from the start again when the settings changed."""
         self._take(given)
         key = self._settings()
         if key != self._key:
@@ -163,9 +167,11 @@ class _Captured:
         raise NotImplementedError
 
     def _guarded_run(self) -> None:
-        """`_run` under the host-read guard; a read is refused naming where it was made."""
+        """`_run` under the host-read guard; a read is refused naming where it was made. On
+        several ranks its messages run as they come, checked as a capture would check
+        them (`mgrit.comm.cuts.Running`)."""
         try:
-            with self.guarded():
+            with self.guarded(), self._cutting(Running()):
                 self._run()
         except HostSyncError as err:
             raise CaptureError(
@@ -173,6 +179,32 @@ class _Captured:
                 f"{culprit(err, self.model)}: a captured {self.what} cannot (a graph would "
                 "keep the value read at capture and the read waits for the device); keep "
                 "the value on the device (torch.where instead of if, no .item())") from None
+
+    @contextlib.contextmanager
+    def _cutting(self, session: Running) -> Iterator[None]:
+        """The run's messages handed to `session` (on several ranks; else nothing), with
+        what a capture cannot repeat refused as a `CaptureError`."""
+        cuts = self._cuts
+        if cuts is None:
+            yield
+            return
+        cuts.begin(session)
+        try:
+            yield
+        except CutError as err:
+            cuts.end(complete=False)
+            raise self._cut_error(err) from None
+        except BaseException:
+            cuts.end(complete=False)
+            raise
+        try:
+            cuts.end()
+        except CutError as err:
+            raise self._cut_error(err) from None
+
+    def _cut_error(self, err: CutError) -> CaptureError:
+        return CaptureError(f"a captured {self.what} on several ranks runs its messages "
+                            f"between graphs, and this one cannot: {err}")
 
     def _allowed_reads(self) -> list[Tensor]:
         """Tensors that may be read on the host inside a run."""
@@ -193,9 +225,14 @@ class _Captured:
             run()
 
     def _capture(self) -> None:
-        """Capture the run as one CUDA graph and replay it (capturing runs nothing)."""
+        """Capture the run as one CUDA graph and replay it (capturing runs nothing); on
+        several ranks as graphs between its messages (`mgrit.execute.Segmented`, which
+        capturing runs once, and whose first replay is therefore none)."""
+        cuts = () if self._cuts is None else (self._cuts,)
         try:
-            graph = self._capturer.capture(self.inputs[0], self._run)
+            graph = self._capturer.capture(self.inputs[0], self._run, *cuts)
+        except CutError as err:
+            raise self._cut_error(err) from None
         except RuntimeError as err:
             raise CaptureError(f"capturing the {self.what} failed ({err}): something in "
                                "it copies between host and device or synchronises") from err
@@ -255,10 +292,12 @@ class CapturedStep(_Captured):
     `DivergenceError` naming the pass and cycle of a NaN or growing residual; without it,
     call `check()` when convenient.
 
-    On CUDA with one rank the third step is captured as one CUDA graph and every later step
-    replays it; the first two run eagerly (the second under a guard that names any module
-    reading a tensor on the host). Elsewhere (a CPU, several ranks, data-parallel replicas)
-    the same static-buffer step runs eagerly. `set_solvers` between steps is seen at the
+    On CUDA the third step is captured and every later step replays it: on one rank as one
+    CUDA graph; on several ranks as graphs of the work between the messages, which a replay
+    runs in order with the messages (host MPI calls) between them. The first two steps run
+    eagerly (the second under a guard that names any module reading a tensor on the host,
+    and, on several ranks, checking that every message the step posts it also completes).
+    Elsewhere (a CPU, data-parallel replicas) the same static-buffer step runs eagerly. `set_solvers` between steps is seen at the
     next step, which starts the stages again with the new solvers. With `controller` (a
     `mgrit.nn.Controller` of the same model) every step ends with its `after_step`: its
     probes run eagerly, outside any graph, at the updated weights, and a change of settings
@@ -363,9 +402,10 @@ class CapturedForward(_Captured):
     `check` (default), ends every pass with one host read of them, which raises
     `DivergenceError` at a NaN or growing residual.
 
-    On CUDA with one rank the third pass is captured as one CUDA graph and every later pass
-    replays it; the first two run eagerly (the second under the host-read guard).
-    Elsewhere the same static-buffer pass runs eagerly. A change of mode, of options
+    On CUDA the third pass is captured (one CUDA graph on one rank, graphs between the
+    messages on several) and every later pass replays it; the first two run eagerly (the
+    second under the host-read guard). Elsewhere the same static-buffer pass runs
+    eagerly. A change of mode, of options
     (`set_solvers`) or of where the parameters live is seen at the next pass, which starts
     the stages again. Training between passes (a `CapturedStep` or eager steps that update
     the parameters in place) is what the next replay reads. While a CapturedForward holds

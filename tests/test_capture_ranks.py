@@ -1,0 +1,253 @@
+"""Captured steps and forward passes on several ranks: graphs between the messages. Each
+virtual rank's run is captured as graphs of its tensor work cut at every communicator call
+(`mgrit.comm.cuts`), the calls kept as host steps, and replayed as graphs and host steps in
+order (`mgrit.execute.Segmented`). The graphs are emulated (`emulated_graphs`: recorded
+aten operations replayed alone, no Python of the step), so numbers equal to eager training
+on the same ranks show that the replays' messages carry what the step's own would."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import mgrit
+from mgrit.comm.cuts import CutComm, CutError, Cuts, Running
+from mgrit.comm.virtual import run_ranks
+from mgrit.execute.graphs import Segmented, capture_between
+from mgrit.nn import CapturedForward, CapturedStep, CaptureError
+
+from emulated_graphs import EmulatedCapture, EmulatedGraph
+from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer
+from test_capture import BACKWARD, FORWARD, WARM, batches, eager_run, stand_in
+from test_capture_replay import NESTED
+
+CONFIGS = {"zero": (FORWARD, BACKWARD), "warm": (WARM, WARM), "no cycle": (NESTED, NESTED)}
+
+
+def replayed_steps(kind, configs, comm, steps=6):
+    """Losses, parameters, histories and the capturer of `steps` captured steps whose
+    graphs are emulated."""
+    model, _ = build(kind, 8, *configs, comm=comm, kernels="torch")
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data(kind, 4))
+    capturer = stand_in(step, EmulatedCapture())
+    losses, histories = [], []
+    for x, y in batches(kind, steps):
+        losses.append(step.step(x, y).item())
+        histories.append({p: step.stats()[p]["residuals"] for p in ("forward", "backward")})
+    return losses, list(model.parameters()), histories, capturer
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+@pytest.mark.parametrize("configs", list(CONFIGS))
+def test_steps_replayed_between_messages_give_the_eager_steps_numbers(ranks, kind, configs):
+    """Six SGD-momentum steps on 2 and 3 virtual ranks, the last three replays of graphs
+    and host steps: every rank's losses, residual histories and parameters are those of
+    eager training on the same ranks, bit for bit."""
+    def program(comm):
+        eager = eager_run(kind, "sgd", *CONFIGS[configs], 6, kernels="torch", comm=comm)
+        losses, params, histories, capturer = replayed_steps(kind, CONFIGS[configs], comm)
+        program, = capturer.programs
+        return (losses == eager[0], histories == eager[2],
+                all(torch.equal(a, b) for a, b in zip(params, eager[1])),
+                (capturer.warm_ups, capturer.captured, capturer.replays),
+                program.graphs > 0 and program.host_steps > 0)
+    assert run_ranks(ranks, program) == [(True, True, True, (2, 1, 3), True)] * ranks
+
+
+def test_replays_without_their_messages_train_differently():
+    """Not vacuous: replays that run the graphs alone (the host steps dropped) leave each
+    rank's ghost rows and ghost layers as the capture received them, and rank 1 then
+    trains differently from eager training."""
+    def program(comm):
+        eager = eager_run("dense", "sgd", FORWARD, BACKWARD, 6, kernels="torch", comm=comm)
+        original = Segmented.replay
+
+        def graphs_only(self):
+            self.steps = [s for s in self.steps
+                          if isinstance(getattr(s, "__self__", None), EmulatedGraph)]
+            original(self)
+
+        Segmented.replay = graphs_only
+        try:
+            losses = replayed_steps("dense", (FORWARD, BACKWARD), comm)[0]
+        finally:
+            Segmented.replay = original
+        return losses[:3] == eager[0][:3], losses[3:] == eager[0][3:]
+    rank0, rank1 = run_ranks(2, program)
+    assert rank0[0] and rank1[0]
+    assert not rank1[1]
+
+
+@pytest.mark.parametrize("mode", ["training", "evaluation, mgrit"])
+def test_forward_passes_replayed_between_messages_give_the_eager_outputs(mode):
+    """A forward pass without gradients on 2 virtual ranks (7 layers, unequal shares):
+    outputs and residual histories of the eager passes, bit for bit, through three
+    replays; the output reached every rank by a replayed broadcast."""
+    inference = (mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
+                 if mode != "training" else None)
+    inputs = [x for x, _ in batches("dense", 6)]
+
+    def program(comm):
+        def make():
+            model, _ = build("dense", 7, FORWARD, BACKWARD, comm=comm, kernels="torch",
+                             inference=inference)
+            return model.train(mode == "training")
+
+        eager, expected = make(), []
+        for x in inputs:
+            with torch.no_grad():
+                expected.append((eager(x), eager.stats["forward"]["residuals"]))
+        forward = CapturedForward(make(), inputs[0])
+        capturer = stand_in(forward, EmulatedCapture())
+        same = [torch.equal(forward(x), out)
+                and forward.stats()["forward"]["residuals"] == history
+                for x, (out, history) in zip(inputs, expected)]
+        return same, capturer.replays, capturer.programs[0].host_steps > 0
+    assert run_ranks(2, program) == [([True] * 6, 3, True)] * 2
+
+
+class _Summing(nn.Linear):
+    """A closing that asks the other ranks for a host number every pass."""
+
+    comm = None
+
+    def forward(self, x):
+        return super().forward(x) * self.comm.allreduce_sum(1.0)
+
+
+class _Posting(nn.Linear):
+    """A closing that sends its output to the next rank and never completes the send."""
+
+    comm = None
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.comm.rank == 0:
+            self.comm.isend(out.detach().contiguous(), 1, 99)
+        return out
+
+
+@pytest.mark.parametrize("closing, match, raising", [
+    (_Summing, r"allreduce_sum returns a float to the host.*sums tensors", [True, True]),
+    (_Posting, r"1 message\(s\) posted in the captured run were not completed in it "
+               r"\(first: a send to rank 1, tag 99\)", [True, False]),
+])
+def test_what_a_replay_cannot_repeat_is_refused_before_the_capture(closing, match, raising):
+    """Checked in the guarded second step, before anything is captured, and named in a
+    CaptureError: a host number from the communicator (on every rank), a message that
+    the step posts and never completes (on the rank that posts it)."""
+    def program(comm):
+        model, _ = build("dense", 8, FORWARD, BACKWARD, comm=comm, kernels="torch")
+        model.closing = closing(WIDTH, CLASSES).double()
+        model.closing.comm = model.comm
+        step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+        capturer = stand_in(step, EmulatedCapture())
+        x, y = data("dense", 4)
+        step.step(x, y)
+        try:
+            step.step(x, y)
+        except CaptureError as err:
+            assert re.search(r"on several ranks runs its messages between graphs, and "
+                             r"this one cannot: " + match, str(err)), str(err)
+            return True, capturer.captured, model.comm.cuts.session
+        return False, capturer.captured, model.comm.cuts.session
+    assert run_ranks(2, program) == [(r, 0, None) for r in raising]
+
+
+def test_a_capture_between_messages_keeps_them_in_order_and_drops_empty_graphs():
+    """The session logic on its own: graphs end at every call, a graph with no work is
+    dropped, the calls are replayed between the graphs in the run's order, the capture's
+    own run is the first replay; a failing run ends the capture and lets the cuts go."""
+    log, cuts, made = [], Cuts(), []
+    comm = CutComm(_Recorder(log), cuts)
+    pending = {"work": False}
+
+    def begin():
+        pending["work"] = False
+
+    def end():
+        if not pending["work"]:
+            return None
+        made.append(len(made))
+        name = f"graph {made[-1]}"
+
+        class Graph:
+            def replay(self):
+                log.append(name)
+        return Graph()
+
+    def run():
+        pending["work"] = True
+        request = comm.irecv(torch.zeros(1), 1, 0)      # two calls with nothing between
+        comm.allreduce_sum_(torch.zeros(1))
+        pending["work"] = True
+        request.wait()
+        comm.agree("settings", 1)                       # host values only: not a step
+
+    program = capture_between(cuts, run, begin, end)
+    assert (program.graphs, program.host_steps) == (2, 3)
+    assert log == ["irecv", "allreduce", "wait", "agree"] and cuts.session is None
+    log.clear()
+    program.replay()                # the capture's own run
+    program.replay()
+    assert log == ["graph 0", "irecv", "allreduce", "graph 1", "wait"]
+    assert program.replays == 1
+
+    def failing():
+        comm.isend(torch.zeros(1), 1, 0)
+        raise KeyError("inside the run")
+    with pytest.raises(KeyError, match="inside the run"):
+        capture_between(cuts, failing, begin, end)
+    assert cuts.session is None
+    log.clear()
+    comm.allreduce_sum_(torch.zeros(1))         # outside a capture: straight through
+    assert log == ["allreduce"]
+
+
+def test_a_run_checked_without_capture_runs_its_calls_as_they_come():
+    """`Running`: each call runs at once and nothing is kept; an incomplete message and a
+    host number are still refused."""
+    log, cuts = [], Cuts()
+    comm = CutComm(_Recorder(log), cuts)
+    cuts.begin(Running())
+    comm.irecv(torch.zeros(1), 1, 0).wait()
+    cuts.end()
+    assert log == ["irecv", "wait"]
+    cuts.begin(Running())
+    with pytest.raises(CutError, match="allreduce_sum returns a float"):
+        comm.allreduce_sum(2.0)
+    comm.send_init(torch.zeros(1), 1, 5).start()
+    with pytest.raises(CutError, match=r"first: a send to rank 1, tag 5"):
+        cuts.end()
+    assert cuts.session is None
+
+
+class _Recorder:
+    """A communicator that logs its calls."""
+
+    rank, size = 0, 2
+
+    def __init__(self, log):
+        self.log = log
+
+    def isend(self, buf, dest, tag):
+        self.log.append("isend")
+        return self
+
+    def irecv(self, buf, source, tag):
+        self.log.append("irecv")
+        return self
+
+    def wait(self):
+        self.log.append("wait")
+
+    def allreduce_sum_(self, buf):
+        self.log.append("allreduce")
+
+    def allreduce_sum(self, value):
+        return value
+
+    def agree(self, what, value):
+        self.log.append("agree")
