@@ -3,6 +3,7 @@ residual histories and states as the solve that passes them from rank to rank an
 reference implementation, fewer hops on the critical path, and clear refusals."""
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -203,17 +204,19 @@ def test_propagator_with_local_steps_refuses_before_any_message():
     mgrit.Solver(Local(-1.0), u0, 16, 0.0, 1.0, mgrit.Config())    # no gathering: accepted
 
 
-def _network_on_ranks(kind, num_steps, forward, backward, x, y, ranks, steps=2):
+def _network_on_ranks(kind, num_steps, forward, backward, x, y, ranks, steps=2,
+                      kernels=None):
     """A layer-parallel network's output, loss and parameter gradients on `ranks` virtual
     ranks, every rank's, after `steps` SGD steps (each rank builds the whole network with
-    the same seed and keeps its own layers)."""
+    the same seed and keeps its own layers), computing with `kernels`."""
     from nets import PARTS
 
     def program(comm):
         torch.manual_seed(1)
         opening, closing, step = PARTS[kind]()
         model = mgrit.LayerParallel(step, num_steps, 1.0, forward=forward, backward=backward,
-                                    comm=comm, opening=opening, closing=closing).double()
+                                    comm=comm, opening=opening, closing=closing,
+                                    kernels=kernels).double()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         for _ in range(steps):
             optimizer.zero_grad()
@@ -229,6 +232,23 @@ def _network_on_ranks(kind, num_steps, forward, backward, x, y, ranks, steps=2):
 # (levels, coarsening, relax, initial guess, forward cycles, backward cycles)
 NETWORK_SETTINGS = [(2, 4, "F", "nested", 0, 0), (3, 2, ("F", "FCF"), "zero", 2, 1),
                     (3, 2, "F", "nested", 1, 0)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gathered_training_on_torchs_dense_kernels_equals_the_plain_one(ranks):
+    """The dense network on torch's kernels (`kernels="torch"`, as where no C compiler
+    runs): the adjoint of gathered levels takes a batch's values from torch's batched
+    steps, and trains as the plain network does, to round-off."""
+    from nets import data
+
+    x, y = data("dense", 4)
+    config = mgrit.Config(levels=3, coarsening=2, max_iter=2, tol=0.0, min_coarse=1)
+    plain = _network_on_ranks("dense", 8, config, config, x, y, ranks, kernels="torch")
+    gathered = replace(config, agglomerate=1)
+    mine = _network_on_ranks("dense", 8, gathered, gathered, x, y, ranks, kernels="torch")
+    for (out_a, loss_a, grads_a, _), (out_b, loss_b, grads_b, _) in zip(mine, plain):
+        for a, b in [(out_a, out_b), (loss_a, loss_b), *zip(grads_a, grads_b)]:
+            _assert_close(a, b)
 
 
 @pytest.mark.parametrize("kind,num_steps", [("dense", 32), ("dense", 30), ("conv", 16),

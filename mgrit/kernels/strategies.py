@@ -305,6 +305,11 @@ class TorchDenseSteps(NativeDenseSteps):
     def __init__(self, chain: Chain, kernels: TorchDense) -> None:
         super().__init__(chain, kernels)     # type: ignore[arg-type]
 
+    def batch_values(self, t: Tensors, us: Tensor, into: list | None = None) -> None:
+        """None: a batch's values are `ChainSteps.values`'s, as its batches are (the native
+        batched step that `NativeDenseSteps` takes them from is not one of torch's)."""
+        return None
+
     def program_parallel(self, values: int, adjoint: bool) -> int:
         """Phases of at most `TorchDense.max_phase` values of independent steps, forward
         and adjoint alike: a larger one is fewer calls as `ChainSteps`'s batches."""
