@@ -250,23 +250,6 @@ def test_what_cannot_be_captured_is_refused_before_any_step():
     _check_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
 
 
-def test_gathered_coarse_levels_are_refused_on_several_ranks():
-    """Gathered coarse levels fetch with host collectives before every solve: refused on
-    2 ranks, before any step; on one rank nothing is gathered and the step is built."""
-    from mgrit.comm.virtual import run_ranks
-
-    cfg = mgrit.Config(levels=2, coarsening=2, tol=0.0, max_iter=1, agglomerate=1)
-    x, y = data("dense", 4)
-
-    def program(comm):
-        model, _ = build("dense", 8, cfg, cfg, comm=comm)
-        with pytest.raises(CaptureError, match=r"forward solve has agglomerate=1.*agglomerate=0"):
-            CapturedStep(model, loss_fn, optimizer("sgd", model), x, y)
-    run_ranks(2, program)
-    model, _ = build("dense", 8, cfg, cfg)
-    CapturedStep(model, loss_fn, optimizer("sgd", model), x, y)
-
-
 def test_a_batch_of_another_shape_and_a_later_tolerance_are_refused():
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))

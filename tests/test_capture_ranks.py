@@ -22,7 +22,13 @@ from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer
 from test_capture import BACKWARD, FORWARD, WARM, batches, eager_run, stand_in
 from test_capture_replay import NESTED
 
-CONFIGS = {"zero": (FORWARD, BACKWARD), "warm": (WARM, WARM), "no cycle": (NESTED, NESTED)}
+# gathered coarse levels: fetched to every rank by reductions before each solve
+GATHERED = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1,
+                        agglomerate=1)
+GATHERED_WARM = mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=1, min_coarse=1,
+                             agglomerate=2, initial_guess="warm")
+CONFIGS = {"zero": (FORWARD, BACKWARD), "warm": (WARM, WARM), "no cycle": (NESTED, NESTED),
+           "gathered": (GATHERED, GATHERED), "gathered, warm": (GATHERED_WARM, GATHERED_WARM)}
 
 
 def replayed_steps(kind, configs, comm, steps=6):
@@ -44,7 +50,8 @@ def replayed_steps(kind, configs, comm, steps=6):
 def test_steps_replayed_between_messages_give_the_eager_steps_numbers(ranks, kind, configs):
     """Six SGD-momentum steps on 2 and 3 virtual ranks, the last three replays of graphs
     and host steps: every rank's losses, residual histories and parameters are those of
-    eager training on the same ranks, bit for bit."""
+    eager training on the same ranks, bit for bit; coarse levels gathered on every rank
+    included (their fetches are reductions, host steps like the messages)."""
     def program(comm):
         eager = eager_run(kind, "sgd", *CONFIGS[configs], 6, kernels="torch", comm=comm)
         losses, params, histories, capturer = replayed_steps(kind, CONFIGS[configs], comm)
@@ -78,6 +85,41 @@ def test_replays_without_their_messages_train_differently():
     rank0, rank1 = run_ranks(2, program)
     assert rank0[0] and rank1[0]
     assert not rank1[1]
+
+
+def test_replicas_average_their_gradients_between_graphs():
+    """Two data-parallel replicas of one layer rank, each on batches of its own: the
+    gradients' average over the replicas is a host step of the replay, and both replicas
+    train as eager data-parallel training does, to the bit (the same parameters on both,
+    which they would not be without the average)."""
+    def program(data_comm):
+        def train(captured):
+            model, _ = build("dense", 8, FORWARD, BACKWARD, data_comm=data_comm,
+                             kernels="torch")
+            opt = optimizer("sgd", model)
+            pairs = batches("dense", 12)[data_comm.rank::2]
+            if captured:
+                step = CapturedStep(model, loss_fn, opt, *pairs[0])
+                capturer = stand_in(step, EmulatedCapture())
+                losses = [step.step(x, y).item() for x, y in pairs]
+                return losses, list(model.parameters()), capturer
+            losses = []
+            for x, y in pairs:
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses, list(model.parameters()), None
+
+        (losses, params, capturer), (eager_losses, eager_params, _) = train(True), train(False)
+        program, = capturer.programs
+        return (losses == eager_losses,
+                all(torch.equal(a, b) for a, b in zip(params, eager_params)),
+                capturer.replays, program.host_steps, [p.detach() for p in params])
+    first, second = run_ranks(2, program)
+    assert first[:4] == second[:4] == (True, True, 3, 1)
+    assert all(torch.equal(a, b) for a, b in zip(first[4], second[4]))
 
 
 @pytest.mark.parametrize("mode", ["training", "evaluation, mgrit"])

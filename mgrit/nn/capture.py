@@ -61,10 +61,10 @@ class _Captured:
         self.model = model
         self.check_each_step = bool(check)
         self.device = next(iter(examples.values())).device
-        # captured on a CUDA model without replicas: as one graph on one rank; on several,
+        # captured on a CUDA model: as one graph on one rank; on several ranks or replicas
         # as graphs between the messages, which its communicators cut out (`CutComm`)
-        self.graphs = self.device.type == "cuda" and model.data_comm is None
-        self._cuts: Cuts | None = getattr(model.comm, "cuts", None)
+        self.graphs = self.device.type == "cuda"
+        self._cuts: Cuts | None = model._cuts
         self._names = [name.removeprefix("example_") for name in examples]
         self.inputs = tuple(value.detach().clone() for value in examples.values())
         self._history: dict[str, Tensor] = {}
@@ -104,12 +104,6 @@ class _Captured:
                     "residual read on the host after every cycle, which a CUDA graph cannot "
                     f"do; use tol=0 (max_iter={cfg.max_iter} cycles, the residual history "
                     f"is read after the {self.what})")
-            if cfg.agglomerate and model.comm.size > 1:
-                raise CaptureError(
-                    f"the {kind} solve has agglomerate={cfg.agglomerate}: its gathered coarse "
-                    "levels fetch layers (and forward states) with a collective on the host "
-                    f"before every solve, which a captured {self.what} cannot make; use "
-                    "agglomerate=0")
             if cfg.cuda_graphs and self.graphs:
                 raise CaptureError(
                     f"the {kind} solve has cuda_graphs=True, which captures relaxation "
@@ -293,15 +287,15 @@ class CapturedStep(_Captured):
     call `check()` when convenient.
 
     On CUDA the third step is captured and every later step replays it: on one rank as one
-    CUDA graph; on several ranks as graphs of the work between the messages, which a replay
-    runs in order with the messages (host MPI calls) between them. The first two steps run
-    eagerly (the second under a guard that names any module reading a tensor on the host,
-    and, on several ranks, checking that every message the step posts it also completes).
-    Elsewhere (a CPU, data-parallel replicas) the same static-buffer step runs eagerly. `set_solvers` between steps is seen at the
-    next step, which starts the stages again with the new solvers. With `controller` (a
-    `mgrit.nn.Controller` of the same model) every step ends with its `after_step`: its
-    probes run eagerly, outside any graph, at the updated weights, and a change of settings
-    is captured again at the next steps. While a
+    CUDA graph; on several ranks (or data-parallel replicas) as graphs of the work between
+    the messages, which a replay runs in order with the messages (host MPI calls) between
+    them. The first two steps run eagerly (the second under a guard that names any module
+    reading a tensor on the host, and, on several ranks, checking that every message the
+    step posts it also completes). On a CPU the same static-buffer step runs eagerly.
+    `set_solvers` between steps is seen at the next step, which starts the stages again
+    with the new solvers. With `controller` (a `mgrit.nn.Controller` of the same model)
+    every step ends with its `after_step`: its probes run eagerly, outside any graph, at the
+    updated weights, and a change of settings is captured again at the next steps. While a
     CapturedStep holds the model its passes with gradients are captured solves; `close()`
     gives it back to eager training.
     """

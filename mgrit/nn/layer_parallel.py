@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..comm import Comm, as_comm
-from ..comm.cuts import CutComm
+from ..comm.cuts import CutComm, Cuts
 from ..core.config import Config
 from ..core.grid import layer_ranges, level0_blocks
 from ..kernels.choice import check_kernels
@@ -145,11 +145,16 @@ class LayerParallel(nn.Module):
                  (("forward", self.forward_config), ("backward", self.backward_config),
                   ("inference", self.inference_config))}
         self.comm = as_comm(comm)
-        if self.comm.size > 1:
-            # every communicator of the model (its passes', its ghost exchange's) is a
-            # duplicate of this one: a captured run on several ranks is cut at their calls
-            self.comm = CutComm(self.comm)
         self.data_comm = as_comm(data_comm) if data_comm is not None else None
+        # a captured run on several ranks is cut at the calls of the model's communicators
+        # (every one is a duplicate of these two): `mgrit.comm.cuts`, `mgrit.nn.capture`
+        self._cuts: Cuts | None = None
+        if self.comm.size > 1 or (self.data_comm is not None and self.data_comm.size > 1):
+            self._cuts = Cuts()
+            if self.comm.size > 1:
+                self.comm = CutComm(self.comm, self._cuts)
+            if self.data_comm is not None and self.data_comm.size > 1:
+                self.data_comm = CutComm(self.data_comm, self._cuts)
         blocks = level0_blocks(grids["forward"], self.comm.size)
         ranges = layer_ranges(blocks, num_steps)
         if any(last < first for first, last in ranges):
