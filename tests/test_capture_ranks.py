@@ -5,7 +5,9 @@ order (`mgrit.execute.Segmented`). The graphs are emulated (`emulated_graphs`: r
 aten operations replayed alone, no Python of the step), so numbers equal to eager training
 on the same ranks show that the replays' messages carry what the step's own would."""
 
+import contextlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -293,3 +295,110 @@ class _Recorder:
 
     def agree(self, what, value):
         self.log.append("agree")
+
+
+class _FakeCuda:
+    """The parts of `torch.cuda` that a capture between messages calls, logging them: a
+    graph that captures nothing warns as CUDA's does."""
+
+    def __init__(self, log):
+        self.log = log
+        self.work = False
+        fake = self
+
+        class Graph:
+            made = 0
+
+            def __init__(self):
+                Graph.made += 1
+                self.name = f"g{Graph.made}"
+
+            def capture_begin(self, pool=None):
+                fake.work = False
+                fake.log.append(("begin", self.name, pool))
+
+            def capture_end(self):
+                fake.log.append(("end", self.name))
+                if not fake.work:
+                    warnings.warn("The CUDA Graph is empty. This usually means ...")
+
+            def replay(self):
+                fake.log.append(("replay", self.name))
+
+        self.CUDAGraph = Graph
+
+    def graph_pool_handle(self):
+        return "pool"
+
+    def synchronize(self):
+        self.log.append(("synchronize",))
+
+    def empty_cache(self):
+        pass
+
+    def Stream(self, device):
+        return _FakeStream("side", self.log)
+
+    def current_stream(self, device):
+        return _FakeStream("caller", self.log)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self.log.append(("on", stream.name))
+        yield
+        self.log.append(("off", stream.name))
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
+    """`CudaCapture` on several ranks, with `torch.cuda` faked (no GPU here): on the side
+    stream after the caller's work, each graph from the one pool, ended and run at every
+    message before the message runs, a graph with no work dropped (and its warning not
+    shown), a failing run's capture ended without running it."""
+    from mgrit.execute import CudaCapture
+
+    log = []
+    fake = _FakeCuda(log)
+    monkeypatch.setattr(torch, "cuda", fake)
+    cuts = Cuts()
+    comm = CutComm(_Recorder(log), cuts)
+    like = torch.zeros(1)
+
+    def run():
+        fake.work = True
+        request = comm.irecv(like, 1, 0)
+        comm.allreduce_sum_(like)           # nothing between: an empty graph, dropped
+        fake.work = True
+        request.wait()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        program = CudaCapture().capture(like, run, cuts)
+    assert not seen
+    assert log == [("synchronize",), ("wait", "side", "caller"), ("on", "side"),
+                   ("begin", "g1", "pool"), ("end", "g1"), ("replay", "g1"), "irecv",
+                   ("begin", "g2", "pool"), ("end", "g2"), "allreduce",
+                   ("begin", "g3", "pool"), ("end", "g3"), ("replay", "g3"), "wait",
+                   ("begin", "g4", "pool"), ("end", "g4"),
+                   ("off", "side"), ("wait", "caller", "side")]
+    assert (program.graphs, program.host_steps) == (2, 3)
+    log.clear()
+    program.replay()
+    program.replay()
+    assert log == [("replay", "g1"), "irecv", "allreduce", ("replay", "g3"), "wait"]
+
+    log.clear()
+
+    def failing():
+        fake.work = True
+        raise KeyError("inside the run")
+    with pytest.raises(KeyError, match="inside the run"):
+        CudaCapture().capture(like, failing, cuts)
+    assert ("end", "g5") in log and ("replay", "g5") not in log and cuts.session is None
