@@ -202,8 +202,9 @@ def test_what_a_replay_cannot_repeat_is_refused_before_the_capture(closing, matc
 
 def test_a_capture_between_messages_keeps_them_in_order_and_drops_empty_graphs():
     """The session logic on its own: graphs end at every call, a graph with no work is
-    dropped, the calls are replayed between the graphs in the run's order, the capture's
-    own run is the first replay; a failing run ends the capture and lets the cuts go."""
+    dropped, the calls are replayed between the graphs in the run's order (but a check of
+    host values, which cuts as well, is not), the capture's own run is the first replay; a
+    failing run ends the capture and lets the cuts go."""
     log, cuts, made = [], Cuts(), []
     comm = CutComm(_Recorder(log), cuts)
     pending = {"work": False}
@@ -228,15 +229,16 @@ def test_a_capture_between_messages_keeps_them_in_order_and_drops_empty_graphs()
         comm.allreduce_sum_(torch.zeros(1))
         pending["work"] = True
         request.wait()
-        comm.agree("settings", 1)                       # host values only: not a step
+        pending["work"] = True
+        comm.agree("settings", 1)       # host values only: cuts, but is not replayed
 
     program = capture_between(cuts, run, begin, end)
-    assert (program.graphs, program.host_steps) == (2, 3)
+    assert (program.graphs, program.host_steps) == (3, 3)
     assert log == ["irecv", "allreduce", "wait", "agree"] and cuts.session is None
     log.clear()
     program.replay()                # the capture's own run
     program.replay()
-    assert log == ["graph 0", "irecv", "allreduce", "graph 1", "wait"]
+    assert log == ["graph 0", "irecv", "allreduce", "graph 1", "wait", "graph 2"]
     assert program.replays == 1
 
     def failing():

@@ -12,10 +12,10 @@ as a host step (`Session.host`): the session ends the graph being captured, runs
 (after the captured work, which its buffers hold), keeps it for the replays and begins the
 next graph. A message posted in the captured run returns a `_Posted` whose wait is a host
 step too, and which every replay's post sets again; the run must complete every message it
-posts (a solve ends by draining its levels), which `Session.finish` checks. Calls that
-exchange host values only (`agree`, `gather_object`: checks of settings that every replay
-keeps) run and are not replayed; `allreduce_sum`, whose float the run would use on the
-host, is refused.
+posts (a solve ends by draining its levels), which `Cuts.end` checks. Calls that exchange
+host values only (`agree`, `gather_object`: checks of settings that every replay keeps) cut
+the capture too, so that no MPI call runs while a stream is captured, but are not replayed;
+`allreduce_sum`, whose float the run would use on the host, is refused.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ class Session(Protocol):
     """What a capture does at a message (`mgrit.execute.graphs`, or a check that runs the
     calls as they come)."""
 
-    def host(self, action: Callable[[], T]) -> T:
+    def host(self, action: Callable[[], T], replay: bool = True) -> T:
         """End the graph being captured, run `action` once the work before it has run,
-        keep it as a host step of every replay and begin the next graph."""
+        keep it as a host step of every replay (unless `replay` is False) and begin the
+        next graph."""
         ...
 
 
@@ -171,10 +172,17 @@ class CutComm:
         return self.inner.allreduce_sum(value)
 
     def agree(self, what: str, value: Any) -> None:
-        self.inner.agree(what, value)
+        session = self.cuts.session
+        if session is None:
+            self.inner.agree(what, value)
+        else:
+            session.host(lambda: self.inner.agree(what, value), replay=False)
 
     def gather_object(self, obj: Any, root: int) -> list[Any] | None:
-        return self.inner.gather_object(obj, root)
+        session = self.cuts.session
+        if session is None:
+            return self.inner.gather_object(obj, root)
+        return session.host(lambda: self.inner.gather_object(obj, root), replay=False)
 
     def dup(self) -> "CutComm":
         return CutComm(self.inner.dup(), self.cuts)
@@ -185,5 +193,5 @@ class Running:
     what a capture needs (no host-valued calls, every message completed) without
     capturing it."""
 
-    def host(self, action: Callable[[], T]) -> T:
+    def host(self, action: Callable[[], T], replay: bool = True) -> T:
         return action()

@@ -135,11 +135,12 @@ class _Cutting:
             self.program.steps.append(graph.replay)
             self.program.graphs += 1
 
-    def host(self, action: Callable[[], T]) -> T:
+    def host(self, action: Callable[[], T], replay: bool = True) -> T:
         self.close()
         result = action()
-        self.program.steps.append(action)
-        self.program.host_steps += 1
+        if replay:
+            self.program.steps.append(action)
+            self.program.host_steps += 1
         self.open()
         return result
 
