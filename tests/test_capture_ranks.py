@@ -363,7 +363,8 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
     """`CudaCapture` on several ranks, with `torch.cuda` faked (no GPU here): on the side
     stream after the caller's work, each graph from the one pool, ended and run at every
     message before the message runs, a graph with no work dropped (and its warning not
-    shown), a failing run's capture ended without running it."""
+    shown), a failing run's capture ended without running it; autograd's override of
+    stale streams on while capturing and restored after."""
     from mgrit.execute import CudaCapture
 
     log = []
@@ -373,7 +374,10 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
     comm = CutComm(_Recorder(log), cuts)
     like = torch.zeros(1)
 
+    overridden = []
+
     def run():
+        overridden.append(torch._C._override_stale_capture_stream())
         fake.work = True
         request = comm.irecv(like, 1, 0)
         comm.allreduce_sum_(like)           # nothing between: an empty graph, dropped
@@ -404,3 +408,5 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
     with pytest.raises(KeyError, match="inside the run"):
         CudaCapture().capture(like, failing, cuts)
     assert ("end", "g5") in log and ("replay", "g5") not in log and cuts.session is None
+    # autograd's stale streams go to the capturing stream while capturing, and only then
+    assert overridden == [True] and not torch._C._override_stale_capture_stream()

@@ -4,7 +4,9 @@ between their messages (`Segmented`, `capture_between`)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
@@ -42,12 +44,13 @@ class CudaCapture:
         """A CUDA graph of `sweep`'s kernels (capturing runs none of them); with `cuts`
         (of the communicators `sweep` sends with), a `Segmented` run of graphs between its
         messages (capturing runs it once)."""
-        if cuts is not None:
-            return self._capture_between(like, sweep, cuts)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._stream(like.device)):
-            sweep()
-        return graph
+        with _stale_streams_overridden():
+            if cuts is not None:
+                return self._capture_between(like, sweep, cuts)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream(like.device)):
+                sweep()
+            return graph
 
     def _capture_between(self, like: Tensor, run: Callable[[], None], cuts: Cuts
                          ) -> "Segmented":
@@ -90,6 +93,25 @@ class CudaCapture:
             program = capture_between(cuts, run, begin, end, abort)
         caller.wait_stream(stream)
         return program
+
+
+@contextlib.contextmanager
+def _stale_streams_overridden() -> Iterator[None]:
+    """Inside: autograd runs a node whose stream is a stale non-capturing one (the stream
+    of an eager step before the capture, or of a probe between replays, kept by a node
+    that outlived its step) on the capturing stream, where without this a capture of a
+    backward pass fails. Where torch has no such switch, nothing changes."""
+    setter = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    if setter is None or getter is None:
+        yield
+        return
+    before = getter()
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 class Segmented:
