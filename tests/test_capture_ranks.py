@@ -21,7 +21,8 @@ from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture, EmulatedGraph
 from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer
-from test_capture import BACKWARD, FORWARD, WARM, batches, eager_run, stand_in
+from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, stand_in,
+                          transformer_case)
 from test_capture_replay import NESTED
 
 # gathered coarse levels: fetched to every rank by reductions before each solve
@@ -63,6 +64,21 @@ def test_steps_replayed_between_messages_give_the_eager_steps_numbers(ranks, kin
                 (capturer.warm_ups, capturer.captured, capturer.replays),
                 program.graphs > 0 and program.host_steps > 0)
     assert run_ranks(ranks, program) == [(True, True, True, (2, 1, 3), True)] * ranks
+
+
+def test_a_transformer_stack_replays_between_messages_with_the_eager_numbers():
+    """TransformerBlock layers (batched step, causal attention) on 2 virtual ranks: five
+    SGD steps, the last two replays, every rank's losses and parameters those of eager
+    training on the same ranks, bit for bit."""
+    def program(comm):
+        make, pairs, losses, eager = transformer_case(5, adam=False, kernels="torch",
+                                                      comm=comm)
+        model, opt = make()
+        step = CapturedStep(model, nn.functional.mse_loss, opt, *pairs[0])
+        capturer = stand_in(step, EmulatedCapture())
+        return ([step.step(x, y).item() for x, y in pairs] == losses, capturer.replays,
+                all(torch.equal(a, b) for a, b in zip(eager, model.parameters())))
+    assert run_ranks(2, program) == [(True, 2, True)] * 2
 
 
 def test_replays_without_their_messages_train_differently():
@@ -124,13 +140,14 @@ def test_replicas_average_their_gradients_between_graphs():
     assert all(torch.equal(a, b) for a, b in zip(first[4], second[4]))
 
 
-@pytest.mark.parametrize("mode", ["training", "evaluation, mgrit"])
+@pytest.mark.parametrize("mode", ["training", "evaluation, mgrit", "evaluation, exact"])
 def test_forward_passes_replayed_between_messages_give_the_eager_outputs(mode):
     """A forward pass without gradients on 2 virtual ranks (7 layers, unequal shares):
     outputs and residual histories of the eager passes, bit for bit, through three
-    replays; the output reached every rank by a replayed broadcast."""
+    replays (in evaluation mode with exact stepping the state passes from rank to rank);
+    the output reached every rank by a replayed broadcast."""
     inference = (mgrit.Config(levels=3, coarsening=2, tol=0.0, max_iter=2, min_coarse=1)
-                 if mode != "training" else None)
+                 if mode == "evaluation, mgrit" else None)
     inputs = [x for x, _ in batches("dense", 6)]
 
     def program(comm):
