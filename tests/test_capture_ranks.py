@@ -190,15 +190,16 @@ class _Posting(nn.Linear):
         return out
 
 
-@pytest.mark.parametrize("closing, match, raising", [
-    (_Summing, r"allreduce_sum returns a float to the host.*sums tensors", [True, True]),
-    (_Posting, r"1 message\(s\) posted in the captured run were not completed in it "
-               r"\(first: a send to rank 1, tag 99\)", [True, False]),
+@pytest.mark.parametrize("closing, matches", [
+    (_Summing, [r"allreduce_sum returns a float to the host.*sums tensors"] * 2),
+    (_Posting, [r"1 message\(s\) posted in the captured run were not completed in it "
+                r"\(first: a send to rank 1, tag 99\)",
+                r"another rank's run posted a message it did not complete"]),
 ])
-def test_what_a_replay_cannot_repeat_is_refused_before_the_capture(closing, match, raising):
-    """Checked in the guarded second step, before anything is captured, and named in a
-    CaptureError: a host number from the communicator (on every rank), a message that
-    the step posts and never completes (on the rank that posts it)."""
+def test_what_a_replay_cannot_repeat_is_refused_before_the_capture(closing, matches):
+    """Checked in the guarded second step, before anything is captured, and refused on
+    every rank as a CaptureError: a host number from the communicator, and a message that
+    the step posts and never completes (named on the rank that posts it)."""
     def program(comm):
         model, _ = build("dense", 8, FORWARD, BACKWARD, comm=comm, kernels="torch")
         model.closing = closing(WIDTH, CLASSES).double()
@@ -207,14 +208,12 @@ def test_what_a_replay_cannot_repeat_is_refused_before_the_capture(closing, matc
         capturer = stand_in(step, EmulatedCapture())
         x, y = data("dense", 4)
         step.step(x, y)
-        try:
+        with pytest.raises(CaptureError) as raised:
             step.step(x, y)
-        except CaptureError as err:
-            assert re.search(r"on several ranks runs its messages between graphs, and "
-                             r"this one cannot: " + match, str(err)), str(err)
-            return True, capturer.captured, model.comm.cuts.session
-        return False, capturer.captured, model.comm.cuts.session
-    assert run_ranks(2, program) == [(r, 0, None) for r in raising]
+        assert re.search(r"on several ranks runs its messages between graphs, and this one "
+                         r"cannot: " + matches[comm.rank], str(raised.value)), raised.value
+        return capturer.captured, model.comm.cuts.session
+    assert run_ranks(2, program) == [(0, None)] * 2
 
 
 def test_a_capture_between_messages_keeps_them_in_order_and_drops_empty_graphs():

@@ -191,10 +191,23 @@ class _Captured:
         except BaseException:
             cuts.end(complete=False)
             raise
+        error = None
         try:
             cuts.end()
         except CutError as err:
-            raise self._cut_error(err) from None
+            error = err
+        # a message left open is found on the rank that posted it: every rank learns of it,
+        # so that all of them refuse the capture rather than one
+        failed = 1.0 if error is not None else 0.0
+        for comm in (self.model.comm, self.model.data_comm):
+            if comm is not None and comm.size > 1:
+                failed = comm.allreduce_sum(failed)
+        if error is not None:
+            raise self._cut_error(error) from None
+        if failed:
+            raise self._cut_error(CutError(
+                "another rank's run posted a message it did not complete (that rank's "
+                "error names it)")) from None
 
     def _cut_error(self, err: CutError) -> CaptureError:
         return CaptureError(f"a captured {self.what} on several ranks runs its messages "
