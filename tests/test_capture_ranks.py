@@ -366,6 +366,12 @@ class _FakeCuda:
         yield
         self.log.append(("off", stream.name))
 
+    @contextlib.contextmanager
+    def graph(self, graph, stream):
+        graph.capture_begin()
+        yield
+        graph.capture_end()
+
 
 class _FakeStream:
     def __init__(self, name, log):
@@ -425,4 +431,21 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
         CudaCapture().capture(like, failing, cuts)
     assert ("end", "g5") in log and ("replay", "g5") not in log and cuts.session is None
     # autograd's stale streams go to the capturing stream while capturing, and only then
+    assert overridden == [True] and not torch._C._override_stale_capture_stream()
+
+
+def test_one_graph_is_captured_with_stale_streams_overridden_too(monkeypatch):
+    """One rank (no cuts): `CudaCapture.capture` makes one graph inside `torch.cuda.graph`,
+    autograd's override of stale streams on while the run is captured."""
+    from mgrit.execute import CudaCapture
+
+    log, overridden = [], []
+    fake = _FakeCuda(log)
+    monkeypatch.setattr(torch, "cuda", fake)
+
+    def run():
+        fake.work = True
+        overridden.append(torch._C._override_stale_capture_stream())
+    graph = CudaCapture().capture(torch.zeros(1), run)
+    assert log == [("begin", graph.name, None), ("end", graph.name)]
     assert overridden == [True] and not torch._C._override_stale_capture_stream()
