@@ -20,7 +20,7 @@ from mgrit.execute.graphs import Segmented, capture_between
 from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture, EmulatedGraph
-from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer
+from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer, train_eagerly
 from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, stand_in,
                           transformer_case)
 from test_capture_replay import NESTED
@@ -121,14 +121,7 @@ def test_replicas_average_their_gradients_between_graphs():
                 capturer = stand_in(step, EmulatedCapture())
                 losses = [step.step(x, y).item() for x, y in pairs]
                 return losses, list(model.parameters()), capturer
-            losses = []
-            for x, y in pairs:
-                opt.zero_grad()
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            return losses, list(model.parameters()), None
+            return train_eagerly(model, opt, loss_fn, pairs), list(model.parameters()), None
 
         (losses, params, capturer), (eager_losses, eager_params, _) = train(True), train(False)
         program, = capturer.programs
