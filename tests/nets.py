@@ -186,15 +186,20 @@ def optimizer(name: str, model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def train_eagerly(model, opt, loss, pairs):
-    """The losses of plain eager training steps on the (input, target) `pairs`."""
+def train_eagerly(model, opt, loss, pairs, before=None, after=None):
+    """The losses of plain eager training steps on the (input, target) `pairs`;
+    `before(k)` runs before step k and `after()` after every step, where given."""
     losses = []
-    for x, y in pairs:
+    for k, (x, y) in enumerate(pairs):
+        if before is not None:
+            before(k)
         opt.zero_grad()
         value = loss(model(x), y)
         value.backward()
         opt.step()
         losses.append(value.item())
+        if after is not None:
+            after()
     return losses
 
 

@@ -30,17 +30,16 @@ def eager_run(kind, opt_name, forward, backward, steps, change=None, kernels=Non
               comm=None):
     """Losses, parameters and residual histories of plain eager training steps."""
     model, _ = build(kind, 8, forward, backward, kernels=kernels, comm=comm)
-    opt = optimizer(opt_name, model)
-    losses, histories = [], []
-    for k, (x, y) in enumerate(batches(kind, steps)):
+    histories = []
+
+    def before(k):
         if change is not None and k == change[0]:
             model.set_solvers(*change[1])
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+
+    def after():
         histories.append({p: model.stats[p]["residuals"] for p in ("forward", "backward")})
+    losses = train_eagerly(model, optimizer(opt_name, model), loss_fn, batches(kind, steps),
+                           before, after)
     return losses, [p.detach().clone() for p in model.parameters()], histories
 
 
@@ -383,14 +382,9 @@ def test_on_cuda_the_step_is_one_graph_with_the_eager_steps_numbers(opt_name):
 
     pairs = [tuple(t.cuda() for t in data("dense", 4, seed=k)) for k in range(6)]
     model, opt = make()
-    losses, histories = [], []
-    for x, y in pairs:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        histories.append(model.stats["forward"]["residuals"])
+    histories = []
+    losses = train_eagerly(model, opt, loss_fn, pairs,
+                           after=lambda: histories.append(model.stats["forward"]["residuals"]))
     eager = [p.detach().clone() for p in model.parameters()]
     model, opt = make()
     step = CapturedStep(model, loss_fn, opt, *pairs[0])
