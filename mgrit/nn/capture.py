@@ -165,7 +165,7 @@ class _Captured:
         several ranks its messages run as they come, checked as a capture would check
         them (`mgrit.comm.cuts.Running`)."""
         try:
-            with self.guarded(), self._cutting(Running()):
+            with self.guarded(), self._cutting():
                 self._run()
         except HostSyncError as err:
             raise CaptureError(
@@ -175,21 +175,20 @@ class _Captured:
                 "the value on the device (torch.where instead of if, no .item())") from None
 
     @contextlib.contextmanager
-    def _cutting(self, session: Running) -> Iterator[None]:
-        """The run's messages handed to `session` (on several ranks; else nothing), with
-        what a capture cannot repeat refused as a `CaptureError`."""
+    def _cutting(self) -> Iterator[None]:
+        """The run's messages run as they come (`Running`, on several ranks; else nothing),
+        with what a capture cannot repeat refused as a `CaptureError`."""
         cuts = self._cuts
         if cuts is None:
             yield
             return
-        cuts.begin(session)
+        cuts.begin(Running())
         try:
             yield
-        except CutError as err:
+        except BaseException as err:
             cuts.end(complete=False)
-            raise self._cut_error(err) from None
-        except BaseException:
-            cuts.end(complete=False)
+            if isinstance(err, CutError):
+                raise self._cut_error(err) from None
             raise
         error = None
         try:
