@@ -3,6 +3,8 @@ to the bit, the same storage every step, no host read inside a step, and a clear
 what a CUDA graph cannot hold. The CUDA graph itself is replaced by a stand-in that replays
 by running the step again, which is what a graph's replay computes."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -194,6 +196,50 @@ def test_the_guard_holds_in_the_threads_inside_it_alone():
         thread.join(30)
     assert seen == {"other raised": True}
     assert "item" not in torch.Tensor.__dict__ and torch.ones(()).item() == 1.0
+
+
+def on_another_thread(work):
+    """`work()` on a thread of its own, as autograd runs a backward pass's CUDA work on
+    its device thread while the caller waits; its exception raised here."""
+    failed = []
+
+    def target():
+        try:
+            work()
+        except BaseException as err:    # handed to the caller, as autograd hands it
+            failed.append(err)
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def test_the_guard_follows_a_guarded_pass_to_the_thread_of_its_adjoint(monkeypatch):
+    """On CUDA autograd runs the backward pass on its device thread, outside the guard
+    that the step's thread is in: the adjoint of a pass made inside the guard is guarded
+    there too. Emulated by running backward() on a thread of its own: a read in the
+    adjoint goes through in the eager first step and is refused, named, in the second."""
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    solve_backward = model._solve_backward
+
+    def reading(grad_out, *args):
+        grad_out.abs().max().item()
+        return solve_backward(grad_out, *args)
+    monkeypatch.setattr(model, "_solve_backward", reading)
+    backward = torch.Tensor.backward
+    threads = []
+
+    def elsewhere(self, *args, **kwargs):
+        threads.append(threading.get_ident())
+        on_another_thread(lambda: backward(self, *args, **kwargs))
+    monkeypatch.setattr(torch.Tensor, "backward", elsewhere)
+    step.step(*data("dense", 4))
+    with pytest.raises(CaptureError, match=r"\(Tensor\.item\(\) of a tensor of shape \(\) on "
+                                           r"cpu\) in reading at .*test_capture\.py"):
+        step.step(*data("dense", 4))
+    assert threads == [threading.get_ident()] * 2
 
 
 class _OpeningReads(nn.Linear):
