@@ -7,6 +7,7 @@ on the same ranks show that the replays' messages carry what the step's own woul
 
 import contextlib
 import re
+import threading
 import warnings
 
 import pytest
@@ -21,8 +22,8 @@ from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture, EmulatedGraph
 from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer, train_eagerly
-from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, stand_in,
-                          transformer_case)
+from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, on_another_thread,
+                          stand_in, transformer_case)
 from test_capture_replay import NESTED
 
 # gathered coarse levels: fetched to every rank by reductions before each solve
@@ -310,7 +311,8 @@ class _Recorder:
 
 class _FakeCuda:
     """The parts of `torch.cuda` that a capture between messages calls, logging them: a
-    graph that captures nothing warns as CUDA's does."""
+    graph that captures nothing warns as CUDA's does, and one begun in a mode other than
+    relaxed cannot end on another thread, as CUDA's cannot."""
 
     def __init__(self, log):
         self.log = log
@@ -324,11 +326,14 @@ class _FakeCuda:
                 Graph.made += 1
                 self.name = f"g{Graph.made}"
 
-            def capture_begin(self, pool=None):
+            def capture_begin(self, pool=None, capture_error_mode="global"):
                 fake.work = False
+                self.thread, self.mode = threading.get_ident(), capture_error_mode
                 fake.log.append(("begin", self.name, pool))
 
             def capture_end(self):
+                if self.mode != "relaxed" and threading.get_ident() != self.thread:
+                    raise RuntimeError("CUDA error: cudaErrorStreamCaptureWrongThread")
                 fake.log.append(("end", self.name))
                 if not fake.work:
                     warnings.warn("The CUDA Graph is empty. This usually means ...")
@@ -425,6 +430,43 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
     assert ("end", "g5") in log and ("replay", "g5") not in log and cuts.session is None
     # autograd's stale streams go to the capturing stream while capturing, and only then
     assert overridden == [True] and not torch._C._override_stale_capture_stream()
+
+
+def test_a_capture_between_messages_may_cut_on_autograd_s_thread(monkeypatch):
+    """A training step's adjoint sends from inside loss.backward(), on autograd's device
+    thread: the graph begun on the caller's thread ends on that one, and the one begun
+    there ends back on the caller's, which CUDA allows of a relaxed capture alone."""
+    from mgrit.execute import CudaCapture
+
+    log = []
+    fake = _FakeCuda(log)
+    monkeypatch.setattr(torch, "cuda", fake)
+    cuts = Cuts()
+    comm = CutComm(_Recorder(log), cuts)
+    like = torch.zeros(1)
+
+    def backward():
+        fake.work = True
+        request = comm.irecv(like, 1, 0)
+        fake.work = True
+        request.wait()
+        fake.work = True
+
+    def run():
+        fake.work = True
+        on_another_thread(backward)
+
+    program = CudaCapture().capture(like, run, cuts)
+    assert (program.graphs, program.host_steps) == (3, 2)
+    program.replay()
+    log.clear()
+    program.replay()
+    assert log == [("replay", "g1"), "irecv", ("replay", "g2"), "wait", ("replay", "g3")]
+    # the fake holds CUDA's rule: a capture in the default mode cannot end elsewhere
+    graph = fake.CUDAGraph()
+    graph.capture_begin()
+    with pytest.raises(RuntimeError, match="WrongThread"):
+        on_another_thread(graph.capture_end)
 
 
 def test_one_graph_is_captured_with_stale_streams_overridden_too(monkeypatch):

@@ -65,7 +65,12 @@ class CudaCapture:
 
         def begin() -> None:
             graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=pool)
+            # relaxed: a training step's adjoint solve runs inside loss.backward(), on
+            # autograd's device thread, so a graph begun there may end on the caller's
+            # thread and the other way round, which the other modes refuse
+            # (cudaErrorStreamCaptureWrongThread); host reads are refused before any
+            # capture by the guarded run, and no capture is open while a message runs
+            graphs[-1].capture_begin(pool=pool, capture_error_mode="relaxed")
 
         def end() -> Any:
             graph = graphs[-1]
