@@ -7,12 +7,13 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_distributed_solve_equals_serial(mpi, nprocs):
-    """Dahlquist (real, complex), heat and dense ResNet, float64 and float32, N = 5, 37, 61, 64, 600,
-    V/F cycles, F/FCF, 2-5 levels, zero/nested/tensor guesses, loop and batched execution."""
+    """Dahlquist (real, complex), heat and dense ResNet, float64 and float32, N = 5, 37, 61, 64
+    (and 600 for Dahlquist), V/F cycles, F/FCF, 2-5 levels, zero/nested/tensor guesses, loop
+    and batched execution."""
     run = mpi("solve_vs_serial.py", nprocs, timeout=240)
     assert run.returncode == 0, run.stderr
     for rank, report in run.by_rank().items():
-        assert report["cases"] == 224
+        assert report["cases"] == 208
         assert report["failures"] == [], f"rank {rank}: {report['failures']}"
 
 

@@ -71,7 +71,9 @@ def compare(name, prop, u0, t1, n, setting, tol):
 
 failures, cases = [], 0
 for (name, (prop, u0), t1, tol), n, setting in itertools.product(problems(), STEPS, SETTINGS):
-    if name.startswith("resnet") and n > 100:
+    # the long run's deep hierarchies are the scalar problems' to check: a heat or ResNet
+    # state costs a matrix product a step and adds nothing there the short runs miss
+    if not name.startswith("dahlquist") and n > 100:
         continue
     failures += compare(name, prop, u0, t1, n, setting, tol)
     cases += 1
