@@ -58,3 +58,26 @@ def test_persistent_messages_carry_new_contents_at_every_start(mpi, nprocs):
     assert "persistent request" not in run.stderr
     # nor does a request that outlives the script complain at interpreter shutdown
     assert "Exception ignored" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("level", ["single", "funneled", "serialized", "multiple"])
+def test_a_cuda_training_pass_needs_an_mpi_that_any_thread_may_call(mpi, level):
+    """On CUDA autograd runs the backward pass (the adjoint's messages, the replicas'
+    averaging) on a thread of its own: an MPI started for the main thread alone refuses
+    the training pass before it starts, on every rank; on the CPU the backward runs on the
+    caller's thread and trains at every level as serial autograd does."""
+    run = mpi("thread_level.py", 2, level, timeout=60, abort_on_error=False)
+    assert run.returncode == 0, run.stderr
+    one_thread = level in ("single", "funneled")
+    for rank, report in run.by_rank().items():
+        assert report["provided"] == ["single", "funneled", "serialized",
+                                      "multiple"].index(level)
+        for name, message in report["refused"].items():
+            if one_thread:
+                assert message is not None, (rank, name)
+                assert f"MPI was started with MPI_THREAD_{level.upper()}" in message
+                assert "on a thread of its own" in message
+            else:
+                assert message is None, (rank, name, message)
+        assert report["asked"] == ["cpu"], (rank, report)
+        assert report["grad_error"] < 1e-12, (rank, report)

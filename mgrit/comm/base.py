@@ -163,6 +163,14 @@ class ReversedComm:
         self.inner.allreduce_sum_(buf)
 
 
+def innermost(comm: Any) -> Any:
+    """The communicator under the wrappers (`ReversedComm`, a cut or a tracing one) that
+    pass every call to an `inner` one."""
+    while hasattr(comm, "inner"):
+        comm = comm.inner
+    return comm
+
+
 def as_comm(comm: Any) -> Comm:
     """None gives the serial communicator, an mpi4py communicator an `MPIComm`;
     a `Comm` is used as it is."""

@@ -141,6 +141,13 @@ class MPIComm:
         self.size = comm.Get_size()
         self.cuda_aware = (os.environ.get("MGRIT_CUDA_AWARE_MPI") == "1" if cuda_aware is None
                            else cuda_aware)
+        # the thread support MPI was started with, named where it confines the calls to one
+        # thread: on CUDA autograd runs a backward pass, and the adjoint's messages in it, on
+        # a thread of its own (`mgrit.nn.checks.check_backward_thread`)
+        level = MPI.Query_thread()
+        self.one_thread_only = (None if level >= MPI.THREAD_SERIALIZED else
+                                "MPI_THREAD_SINGLE" if level == MPI.THREAD_SINGLE else
+                                "MPI_THREAD_FUNNELED")
         _install_abort_hook()
         _register_free()
 

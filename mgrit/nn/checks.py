@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..comm.base import innermost
 from ..core.config import Config
 from ..core.grid import LevelGrid, build_hierarchy
 from .engine import randomness as draws
@@ -49,6 +50,27 @@ def draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:
     except RuntimeError as err:
         return "random" in str(err)
     return False
+
+
+def check_backward_thread(model: LayerParallel, device: torch.device) -> None:
+    """On CUDA autograd runs a backward pass on a device thread of its own, and with it the
+    adjoint solve's messages and the replicas' gradient averaging: an MPI started to take
+    calls from the main thread alone would be called from elsewhere, which MPI leaves
+    undefined. Refused before the forward pass that would need it (the same verdict on
+    every rank, whose MPI was started alike)."""
+    if device.type != "cuda":
+        return
+    for comm in (model.comm, model.data_comm):
+        if comm is None or comm.size == 1:
+            continue
+        level = getattr(innermost(comm), "one_thread_only", None)
+        if level is not None:
+            raise RuntimeError(
+                f"MPI was started with {level}, but on CUDA autograd runs the backward "
+                "pass (the adjoint solve and its messages) on a thread of its own; start "
+                "MPI with MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (mpi4py asks for "
+                "MULTIPLE unless mpi4py.rc.thread_level is set lower before "
+                "`from mpi4py import MPI`)")
 
 
 def check_inputs(model: LayerParallel, u0: Tensor, context: dict[str, Tensor]) -> None:

@@ -26,7 +26,7 @@ from ..core.grid import layer_ranges, level0_blocks
 from ..kernels.choice import check_kernels
 from . import checkpoint, clipping, export
 from .capture_guard import guard_carried, guard_here
-from .checks import check_inputs, level_grids
+from .checks import check_backward_thread, check_inputs, level_grids
 from .defaults import training_config
 from .engine.ghosts import GhostExchange
 from .engine.gradients import average_gradients, context_gradients, layer_gradients
@@ -337,6 +337,7 @@ class LayerParallel(nn.Module):
         values = tuple(context.values())
         if torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in params)
                                         or any(v.requires_grad for v in values)):
+            check_backward_thread(self, u0.device)
             u_final = _ODESolve.apply(self, names, u0, *values, *params)
         else:
             u_final = self._solve_forward(u0, keep=False)
