@@ -76,8 +76,9 @@ class EmulatedGraph:
             return
         self.replays += 1
         # the operations as the dispatcher ran them, below autograd: a graph replays
-        # kernels, not the recording of an autograd graph
-        with torch.no_grad():
+        # kernels, not the recording of an autograd graph, and moves no tensor's version
+        # counter (a cache that trusts one must not see a replay as no change)
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
             for func, args, kwargs, out in self.ops:
                 result = func(*args, **kwargs)
                 if func._schema.is_mutable:

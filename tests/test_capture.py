@@ -29,9 +29,9 @@ def batches(kind, count):
 
 
 def eager_run(kind, opt_name, forward, backward, steps, change=None, kernels=None,
-              comm=None):
+              comm=None, layers=8):
     """Losses, parameters and residual histories of plain eager training steps."""
-    model, _ = build(kind, 8, forward, backward, kernels=kernels, comm=comm)
+    model, _ = build(kind, layers, forward, backward, kernels=kernels, comm=comm)
     histories = []
 
     def before(k):
@@ -502,6 +502,22 @@ def test_a_transformer_stack_is_captured_with_the_eager_numbers():
 
 CALIBRATION = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-5, 1e-7, 1e-6),
                                               mgrit.nn.controller.Units(2e-5, 2e-7, 2e-6))
+# march steps priced high: exact stepping costs more than the setting, which stays
+STEADY = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
+                                         mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
+
+
+def probed_error(model, trained, x, y, kernels=None):
+    """The relative gradient error of the setting `trained` at `model`'s weights on
+    (x, y): a model built with the setting and loaded with the weights, against serial
+    autograd through the exported network."""
+    from benchmarks.training import gradient_agreement, gradient_pairs
+    again, _ = build("dense", model.num_steps, *trained, kernels=kernels)
+    again.load_state_dict(model.state_dict())
+    loss_fn(again(x), y).backward()
+    serial = model.to_serial()
+    loss_fn(serial(x), y).backward()
+    return gradient_agreement(gradient_pairs(again, serial))["relative_error"]
 
 
 def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
@@ -509,12 +525,8 @@ def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
     gradient against the exact one at the updated weights: the error it records equals
     the one computed here from a model built with the setting and loaded with those
     weights against serial autograd through the exported network, on the step's batch."""
-    from benchmarks.training import gradient_agreement, gradient_pairs
     model, _ = build("dense", 8, FORWARD, BACKWARD)
-    # march steps priced high: exact stepping costs more than the setting, which stays
-    steady = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
-                                             mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
-    controller = mgrit.nn.Controller(model, calibration=steady, every=3, max_every=3,
+    controller = mgrit.nn.Controller(model, calibration=STEADY, every=3, max_every=3,
                                      warm_trials=False, hierarchies=False)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
                         controller=controller)
@@ -523,17 +535,11 @@ def test_a_controller_probes_a_captured_step_after_it_at_the_updated_weights():
         trained = (model.forward_config, model.backward_config)
         step.step(x, y)
         if k in (0, 3):
-            again, _ = build("dense", 8, *trained)
-            again.load_state_dict(model.state_dict())
-            loss_fn(again(x), y).backward()
-            serial = model.to_serial()
-            loss_fn(serial(x), y).backward()
-            error = gradient_agreement(gradient_pairs(again, serial))["relative_error"]
+            error = probed_error(model, trained, x, y)
             assert error > 1e-6
             assert controller.probes[-1]["error"] == pytest.approx(error, rel=1e-9)
     assert [p["step"] for p in controller.probes] == [0, 3, 6]
     assert not controller.decisions and controller.step == 7 and capturer.replays > 0
-
 
 
 def test_a_controllers_change_is_captured_again_with_the_eager_numbers():

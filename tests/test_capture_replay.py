@@ -16,8 +16,8 @@ from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture
 from nets import build, data, loss_fn, optimizer, train_eagerly
-from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, stand_in,
-                          transformer_case)
+from test_capture import (BACKWARD, FORWARD, STEADY, WARM, batches, eager_run, probed_error,
+                          stand_in, transformer_case)
 
 
 def emulated(captured):
@@ -151,23 +151,33 @@ def test_a_transformer_stack_replays_with_the_eager_numbers():
     assert all(torch.equal(a, b) for a, b in zip(eager, model.parameters()))
 
 
-def test_a_controllers_probes_between_replays_leave_training_as_it_was():
-    """A controller probing every second step (eagerly, on solvers of its own, the
-    gradients put back afterwards) between replays: training has the numbers of eager
-    training without a controller, and the probes measured a gradient error."""
-    steady = mgrit.nn.controller.Calibration(mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3),
-                                             mgrit.nn.controller.Units(1e-6, 1e-8, 1e-3))
-    losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 7, kernels="torch")
-    model, _ = build("dense", 8, FORWARD, BACKWARD, kernels="torch")
-    controller = mgrit.nn.Controller(model, calibration=steady, every=2, max_every=2,
-                                     warm_trials=False, hierarchies=False)
+@pytest.mark.parametrize("layers,every", [(8, 2), (16, 1), (16, 3)])
+def test_a_controllers_probes_between_replays_measure_and_leave_training_as_it_was(
+        layers, every):
+    """A controller probing between replays (eagerly, on solvers of its own, the gradients
+    put back afterwards): training has the numbers of eager training without a controller,
+    and each probe measured the error of a model loaded with the weights the replays
+    wrote. A 16-layer stack's adjoint reads its weights in descending order through a
+    gathered copy, cached while their version counters stand still, which a replay leaves
+    as they were (as a CUDA graph's does) while its update changes the weights: a probe
+    after a replay must gather again, and the capture after a probe (every step) must
+    gather in the graph, not read the probe's copy."""
+    losses, params, _ = eager_run("dense", "sgd", FORWARD, BACKWARD, 7, kernels="torch",
+                                  layers=layers)
+    model, _ = build("dense", layers, FORWARD, BACKWARD, kernels="torch")
+    controller = mgrit.nn.Controller(model, calibration=STEADY, every=every,
+                                     max_every=every, warm_trials=False, hierarchies=False)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4),
                         controller=controller)
     capturer = emulated(step)
-    assert [step.step(x, y).item() for x, y in batches("dense", 7)] == losses
+    for k, (x, y) in enumerate(batches("dense", 7)):
+        assert step.step(x, y).item() == losses[k], k
+        if controller.probes[-1]["step"] == k:
+            expected = probed_error(model, (FORWARD, BACKWARD), x, y, kernels="torch")
+            assert expected > 1e-6
+            assert controller.probes[-1]["error"] == pytest.approx(expected, rel=1e-9), k
     assert capturer.replays == 4 and not controller.decisions
-    assert [p["step"] for p in controller.probes] == [0, 2, 4, 6]
-    assert all(p["error"] > 0 for p in controller.probes)
+    assert [p["step"] for p in controller.probes] == list(range(0, 7, every))
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
 
 

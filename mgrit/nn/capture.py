@@ -143,6 +143,7 @@ class _Captured:
             self._key, self._stage, self._graph = key, 0, None
         if self._graph is not None:
             self._graph.replay()
+            self.model.layers.forget_gathered()
         elif self._stage == 0:
             self._warm(self._run)
             self._check_settings()      # whether the step module draws is known now
@@ -235,6 +236,9 @@ class _Captured:
         several ranks as graphs between its messages (`mgrit.execute.Segmented`, which
         capturing runs once, and whose first replay is therefore none)."""
         cuts = () if self._cuts is None else (self._cuts,)
+        # a gathered copy of the weights made before (by a probe) would be read by the
+        # graph, not gathered in it: `LayerStack.forget_gathered`
+        self.model.layers.forget_gathered()
         try:
             graph = self._capturer.capture(self.inputs[0], self._run, *cuts)
         except CutError as err:
@@ -245,6 +249,7 @@ class _Captured:
         self._graph = graph
         self.captures += 1
         graph.replay()
+        self.model.layers.forget_gathered()
 
     def _hold(self, captured: bool) -> None:
         """Make the model's passes of this kind captured solves (True) or ordinary ones."""

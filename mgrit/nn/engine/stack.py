@@ -213,6 +213,15 @@ class LayerStack(nn.Module):
         per_layer = [self.views(n) for n in layers]
         return {k: torch.stack([t[k] for t in per_layer]) for k in per_layer[0]}
 
+    def forget_gathered(self) -> None:
+        """Drop the gathered copies of descending rows. Their cache trusts the tensors'
+        version counters, which a CUDA graph's replay does not move while the optimizer
+        inside it updates the weights: a captured run must gather again when it is
+        captured (not read a copy made before), and an eager pass after a replay (a
+        controller's probe) must not read a copy of the weights before it."""
+        self._rows = {key: rows for key, rows in self._rows.items()
+                      if not isinstance(rows, tuple)}
+
     def _detached(self) -> dict[str, Tensor]:
         """The stacked tensors, detached; cached until a tensor gets new storage (`.data =`
         or a conversion), which also drops the cached views."""
