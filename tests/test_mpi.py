@@ -81,3 +81,17 @@ def test_a_cuda_training_pass_needs_an_mpi_that_any_thread_may_call(mpi, level):
                 assert message is None, (rank, name, message)
         assert report["asked"] == ["cpu"], (rank, report)
         assert report["grad_error"] < 1e-12, (rank, report)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_communicator_of_one_rank_moves_nothing(mpi, nprocs):
+    """A one-replica data communicator (of a one-rank world, and of two layer-parallel
+    ranks): its collectives make no MPI call (none copies a CUDA tensor to the host inside
+    a captured step) and leave what they are given; training on it equals serial
+    autograd."""
+    run = mpi("one_rank.py", nprocs, timeout=60)
+    assert run.returncode == 0, run.stderr
+    for rank, report in run.by_rank().items():
+        assert report["calls"] == [] and report["same"], (rank, report)
+        assert report["data_size"] == 1
+        assert report["grad_error"] < 1e-12, (rank, report)

@@ -129,7 +129,8 @@ class MPIComm:
     """An mpi4py communicator: buffer messages of contiguous tensors, never pickled.
 
     GPU tensors go directly from device memory when the MPI is CUDA-aware (say so with
-    `cuda_aware=True` or MGRIT_CUDA_AWARE_MPI=1), otherwise through a host copy.
+    `cuda_aware=True` or MGRIT_CUDA_AWARE_MPI=1), otherwise through a host copy. On one
+    rank the collectives make no MPI call and no copy.
     """
 
     def __init__(self, comm: Any, cuda_aware: bool | None = None) -> None:
@@ -195,18 +196,24 @@ class MPIComm:
         return _MPIRequest(self.comm.Irecv([data, self._mpi.BYTE], source=source, tag=tag), data)
 
     def allreduce_sum(self, value: float) -> float:
+        if self.size == 1:
+            return float(value)
         send = np.array([value], dtype=np.float64)
         recv = np.empty(1, dtype=np.float64)
         self.comm.Allreduce(send, recv, op=self._mpi.SUM)
         return float(recv[0])
 
     def bcast_(self, buf: Tensor, root: int) -> None:
+        if self.size == 1:
+            return
         host = buf.detach().cpu() if buf.device.type == "cuda" else buf
         self.comm.Bcast([_as_buffer(host), self._mpi.BYTE], root=root)
         if host is not buf:
             buf.copy_(host)
 
     def agree(self, what: str, value: Any) -> None:
+        if self.size == 1:
+            return
         values = self.comm.allgather(value)
         differing = [r for r, v in enumerate(values) if v != values[0]]
         if differing:
@@ -218,9 +225,15 @@ class MPIComm:
         return MPIComm(self.comm.Dup())
 
     def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        if self.size == 1:
+            return [obj]
         return self.comm.gather(obj, root=root)
 
     def allreduce_sum_(self, buf: Tensor) -> None:
+        # one rank: nothing to sum, and no host copy of a CUDA tensor, which a captured
+        # step cannot hold (a communicator of one rank is not cut, `LayerParallel`)
+        if self.size == 1:
+            return
         host = buf.detach().cpu() if buf.device.type == "cuda" else buf.detach()
         self.comm.Allreduce(self._mpi.IN_PLACE, host.numpy(), op=self._mpi.SUM)
         if host.data_ptr() != buf.data_ptr():
