@@ -1,6 +1,16 @@
 """The distributed solver under mpiexec: the same numbers as the serial one, and clean failures."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+
+from conftest import MPI_SCRIPTS
 
 pytestmark = pytest.mark.mpi
 
@@ -95,3 +105,43 @@ def test_a_communicator_of_one_rank_moves_nothing(mpi, nprocs):
         assert report["calls"] == [] and report["same"], (rank, report)
         assert report["data_size"] == 1
         assert report["grad_error"] < 1e-12, (rank, report)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting to be reaped has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_a_launcher_ended_by_sigterm_ends_its_ranks(mpi, tmp_path, own_handler):
+    """`timeout` and batch schedulers end a job with SIGTERM, which a launch in a session
+    of its own does not get: the launcher ends its ranks first, then ends as the signal
+    would have ended it, or runs its own handler (here one that exits with status 3)."""
+    handler = ("signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); " if own_handler
+               else "")
+    code = (f"import signal, sys; from mgrit.app import launch; {handler}"
+            f"launch.run(2, [{str(MPI_SCRIPTS / 'sleeper.py')!r}, {str(tmp_path)!r}], "
+            "timeout=120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 2 and all(map(_alive, pids))
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == (3 if own_handler else -signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, pids)), "a rank outlived its launcher"
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+        for pid in [int(p.read_text()) for p in tmp_path.glob("*.pid")]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -2,7 +2,8 @@
 
 Every launch of this project goes through `run`: `mpiexec -n P python -m mpi4py ARGS`, one
 thread per rank, in a process group of its own that is killed whole when the launch runs
-past its timeout or the caller is interrupted, so that no rank outlives it. A worker hands
+past its timeout or the caller is interrupted or terminated (SIGTERM, as `timeout` and batch
+schedulers end a job), so that no rank outlives it. A worker hands
 results back with `report(obj)`: each rank that calls it writes `rank-NNNNN.json` into the
 folder that `run` created for the launch and named in $MGRIT_REPORT_DIR; the caller finds
 them in `Launch.reports`, by rank.
@@ -18,7 +19,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +104,8 @@ def run(ranks: int, args: list[str], timeout: float | None, mpi4py: bool = True,
                                 start_new_session=True)
         timed_out = False
         try:
-            out, err = proc.communicate(timeout=timeout)
+            with _ended_with_the_caller(proc):
+                out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
@@ -115,6 +119,43 @@ def run(ranks: int, args: list[str], timeout: float | None, mpi4py: bool = True,
         reports = {int(path.stem.split("-")[1]): json.loads(path.read_text())
                    for path in sorted(Path(folder).glob("rank-*.json"))}
     return Launch(cmd, ranks, proc.returncode, out, err or "", seconds, timed_out, reports)
+
+
+@contextlib.contextmanager
+def _ended_with_the_caller(proc: subprocess.Popen) -> Iterator[None]:
+    """While inside: SIGTERM to this process ends the launch first. In a session of its
+    own the launch gets no signal sent to this process's group, and a process ended by
+    SIGTERM runs no cleanup, so its ranks would run on. The ranks get SIGTERM (`mgrit
+    train` then says what it kept), and whatever is left a few seconds later is killed;
+    then the signal does what it did before: this process's own handler, or its end.
+    Where SIGTERM is ignored, or outside the main thread (which alone takes handlers),
+    nothing changes."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.SIG_DFL if previous is None else previous
+
+    def handler(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_group(proc)       # a rank whose mpiexec is gone is no longer waited for
+        signal.signal(signal.SIGTERM, before)
+        if callable(before):
+            before(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
