@@ -1,3 +1,5 @@
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -6,6 +8,18 @@ import torch
 from mgrit.app import launch
 
 from needs import cuda_device, missing
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (how `timeout`, as in benchmarks/gpu_check.sh, and batch schedulers end a
+    run) interrupts the session as Ctrl-C does: pytest then still writes its reports
+    (--junitxml), and a launch in progress ends its ranks (`mgrit.app.launch.run`)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -102,10 +102,12 @@ def worker(cases: tuple[str, ...], repeats: int) -> None:
         launch.report(record)
 
 
-def measure(ranks: list[int], cases: tuple[str, ...], repeats: int, timeout: float
+def measure(ranks: list[int], cases: tuple[str, ...], repeats: int, timeout: float,
+            save: Callable[[dict[int, dict[str, Any]]], None] | None = None
             ) -> dict[int, dict[str, Any]]:
     """One launch per rank count; rank counts above the machine's cores are left out (an
-    oversubscribed core would measure the operating system's scheduler)."""
+    oversubscribed core would measure the operating system's scheduler). `save` gets the
+    records after every rank count, so that a run cut off keeps the counts measured."""
     records = {}
     for p in ranks:
         if p > (os.cpu_count() or 1):
@@ -116,6 +118,8 @@ def measure(ranks: list[int], cases: tuple[str, ...], repeats: int, timeout: flo
                               ",".join(cases), "--repeats", str(repeats)], timeout=timeout)
         records[p] = done.check().reports[0]
         log.info("%d ranks measured (%.0f s)", p, time.perf_counter() - start)
+        if save is not None:
+            save(records)
     return records
 
 
@@ -230,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     if earlier is not None:
         records = {int(p): r for p, r in json.loads(earlier.read_text())["records"].items()}
     else:
+        # the measurements first, on their own and after every rank count: the predictions
+        # below take a while longer
+        def save(records: dict[int, dict[str, Any]]) -> None:
+            (args.out / "ranks.json").write_text(json.dumps({"records": records}))
+
         with torch_kernels():
-            records = measure(ranks, cases, args.repeats, args.timeout)
-        # the measurements first, on their own: the predictions below take a while longer
-        (args.out / "ranks.json").write_text(json.dumps({"records": records}))
+            records = measure(ranks, cases, args.repeats, args.timeout, save)
     pings = {p: r["mgrit"]["ping_pong"] for p, r in records.items() if "ping_pong" in r["mgrit"]}
     if not pings:
         parser.error("the network is measured between two ranks: --ranks needs a count >= 2")
