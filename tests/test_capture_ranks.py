@@ -319,6 +319,15 @@ def _overridden():
     return None if _OVERRIDE is None else _OVERRIDE()
 
 
+def _faked_cuda(monkeypatch):
+    """(log, faked `torch.cuda`, cuts, a cut communicator logging its calls, a tensor)."""
+    log = []
+    fake = _FakeCuda(log)
+    monkeypatch.setattr(torch, "cuda", fake)
+    cuts = Cuts()
+    return log, fake, cuts, CutComm(_Recorder(log), cuts), torch.zeros(1)
+
+
 class _FakeCuda:
     """The parts of `torch.cuda` that a capture between messages calls, logging them: a
     graph that captures nothing warns as CUDA's does, and one begun in a mode other than
@@ -397,12 +406,7 @@ def test_cuda_capture_between_messages_makes_the_calls_in_order(monkeypatch):
     stale streams on while capturing and restored after."""
     from mgrit.execute import CudaCapture
 
-    log = []
-    fake = _FakeCuda(log)
-    monkeypatch.setattr(torch, "cuda", fake)
-    cuts = Cuts()
-    comm = CutComm(_Recorder(log), cuts)
-    like = torch.zeros(1)
+    log, fake, cuts, comm, like = _faked_cuda(monkeypatch)
 
     overridden = []
 
@@ -448,12 +452,7 @@ def test_a_capture_between_messages_may_cut_on_autograd_s_thread(monkeypatch):
     there ends back on the caller's, which CUDA allows of a relaxed capture alone."""
     from mgrit.execute import CudaCapture
 
-    log = []
-    fake = _FakeCuda(log)
-    monkeypatch.setattr(torch, "cuda", fake)
-    cuts = Cuts()
-    comm = CutComm(_Recorder(log), cuts)
-    like = torch.zeros(1)
+    log, fake, cuts, comm, like = _faked_cuda(monkeypatch)
 
     def backward():
         fake.work = True
