@@ -336,6 +336,7 @@ class _FakeCuda:
     def __init__(self, log):
         self.log = log
         self.work = False
+        self.invalidated = False
         fake = self
 
         class Graph:
@@ -353,6 +354,9 @@ class _FakeCuda:
             def capture_end(self):
                 if self.mode != "relaxed" and threading.get_ident() != self.thread:
                     raise RuntimeError("CUDA error: cudaErrorStreamCaptureWrongThread")
+                if fake.invalidated:
+                    raise RuntimeError("CUDA error: operation failed due to a previous "
+                                       "error during capture")
                 fake.log.append(("end", self.name))
                 if not fake.work:
                     warnings.warn("The CUDA Graph is empty. This usually means ...")
@@ -380,14 +384,12 @@ class _FakeCuda:
     @contextlib.contextmanager
     def stream(self, stream):
         self.log.append(("on", stream.name))
-        yield
-        self.log.append(("off", stream.name))
+        try:
+            yield
+        finally:                    # as torch's stream context, whatever happened inside
+            self.log.append(("off", stream.name))
 
-    @contextlib.contextmanager
-    def graph(self, graph, stream):
-        graph.capture_begin()
-        yield
-        graph.capture_end()
+
 
 
 class _FakeStream:
@@ -479,8 +481,10 @@ def test_a_capture_between_messages_may_cut_on_autograd_s_thread(monkeypatch):
 
 
 def test_one_graph_is_captured_with_stale_streams_overridden_too(monkeypatch):
-    """One rank (no cuts): `CudaCapture.capture` makes one graph inside `torch.cuda.graph`,
-    autograd's override of stale streams on while the run is captured."""
+    """One rank (no cuts): `CudaCapture.capture` makes one graph on the side stream,
+    autograd's override of stale streams on while the run is captured. A run that fails
+    ends the capture and raises its own error, not the one of ending a capture it
+    invalidated, and gives the caller its stream back."""
     from mgrit.execute import CudaCapture
 
     log, overridden = [], []
@@ -491,5 +495,17 @@ def test_one_graph_is_captured_with_stale_streams_overridden_too(monkeypatch):
         fake.work = True
         overridden.append(_overridden())
     graph = CudaCapture().capture(torch.zeros(1), run)
-    assert log == [("begin", graph.name, None), ("end", graph.name)]
+    assert log == [("synchronize",), ("on", "side"), ("begin", graph.name, None),
+                   ("end", graph.name), ("off", "side")]
     assert overridden == [_OVERRIDING] and not _overridden()
+
+    def failing():
+        fake.invalidated = True     # as an operation CUDA cannot capture leaves it
+        raise KeyError("inside the run")
+    log.clear()
+    with pytest.raises(KeyError, match="inside the run"):
+        CudaCapture().capture(torch.zeros(1), failing)
+    assert log[-2:] == [("begin", f"g{fake.CUDAGraph.made}", None), ("off", "side")]
+    assert not _overridden()
+
+

@@ -47,10 +47,26 @@ class CudaCapture:
         with _stale_streams_overridden():
             if cuts is not None:
                 return self._capture_between(like, sweep, cuts)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream(like.device)):
+            return self._capture_one(like, sweep)
+
+    def _capture_one(self, like: Tensor, sweep: Callable[[], None]) -> Any:
+        """One graph of `sweep` on the side stream, as `torch.cuda.graph` makes it, but a
+        sweep that fails ends the capture and raises its own error: `torch.cuda.graph`
+        ends it with `capture_end`, whose error on the invalidated capture would hide the
+        sweep's and leave the side stream current."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()        # as torch.cuda.graph does before a capture
+        with torch.cuda.stream(self._stream(like.device)):
+            graph.capture_begin()
+            try:
                 sweep()
-            return graph
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        return graph
 
     def _capture_between(self, like: Tensor, run: Callable[[], None], cuts: Cuts
                          ) -> "Segmented":
