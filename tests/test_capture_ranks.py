@@ -391,7 +391,6 @@ class _FakeCuda:
 
 
 
-
 class _FakeStream:
     def __init__(self, name, log):
         self.name, self.log = name, log
@@ -507,5 +506,3 @@ def test_one_graph_is_captured_with_stale_streams_overridden_too(monkeypatch):
         CudaCapture().capture(torch.zeros(1), failing)
     assert log[-2:] == [("begin", f"g{fake.CUDAGraph.made}", None), ("off", "side")]
     assert not _overridden()
-
-

@@ -142,8 +142,7 @@ class _Captured:
             self._check_settings()
             self._key, self._stage, self._graph = key, 0, None
         if self._graph is not None:
-            self._graph.replay()
-            self.model.layers.forget_gathered()
+            self._replay()
         elif self._stage == 0:
             self._warm(self._run)
             self._check_settings()      # whether the step module draws is known now
@@ -248,7 +247,12 @@ class _Captured:
                                "it copies between host and device or synchronises") from err
         self._graph = graph
         self.captures += 1
-        graph.replay()
+        self._replay()
+
+    def _replay(self) -> None:
+        """Replay the graph. It updates the weights without moving their version counters,
+        so the gathered copies of them that trust those go (`LayerStack.forget_gathered`)."""
+        self._graph.replay()
         self.model.layers.forget_gathered()
 
     def _hold(self, captured: bool) -> None:

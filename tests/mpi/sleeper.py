@@ -9,5 +9,8 @@ from pathlib import Path
 from mpi4py import MPI
 
 folder = Path(sys.argv[1])
-(folder / f"{MPI.COMM_WORLD.Get_rank()}.pid").write_text(str(os.getpid()))
+# whole or not there: the test reads the file as soon as it appears
+tmp = folder / f".{MPI.COMM_WORLD.Get_rank()}.tmp"
+tmp.write_text(str(os.getpid()))
+tmp.rename(folder / f"{MPI.COMM_WORLD.Get_rank()}.pid")
 time.sleep(300)
