@@ -33,6 +33,7 @@ SHORTCUTS = {
     "lr": ("training", "lr"), "seed": ("training", "seed"),
     "data_parallel": ("training", "data_parallel"), "out": ("output", "dir"),
     "trace": ("output", "trace"), "checkpoint_every": ("output", "checkpoint_every"),
+    "device": ("training", "device"),
 }
 TYPES = {"width": int, "channels": int, "steps": int, "epochs": int, "batch_size": int,
          "seed": int, "data_parallel": int, "lr": float, "t_final": float, "trace": int,

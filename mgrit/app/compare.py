@@ -103,8 +103,11 @@ def markdown(rows: dict[str, Any], settings: Settings) -> str:
     t = settings.training
     accuracy = (" Accuracy: of the next-token predictions at every position."
                 if settings.network.kind == "gpt" else "")
+    # a GPU run's times are not a CPU run's: the caption says where they were taken
+    where = "" if t.device == "cpu" else f", on {t.device}"
     lines = [f"Data {settings.data.name}, {describe_network(settings)}, {t.epochs} epochs, "
-             f"batch {t.batch_size}, {t.optimizer} lr {t.lr}, seed {t.seed}.{accuracy}", "",
+             f"batch {t.batch_size}, {t.optimizer} lr {t.lr}, seed {t.seed}{where}."
+             f"{accuracy}", "",
              "| training | ranks | test accuracy | vs serial (pp) | test loss | ms per step | "
              "time vs serial |", "|---|---|---|---|---|---|---|"]
     for label, r in rows.items():

@@ -105,7 +105,9 @@ class SerialModel:
     def load(self, folder: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         path = folder / "serial.pt"
         try:
-            state = torch.load(path, weights_only=False)
+            # on the host: a checkpoint written on a GPU resumes on any device (loading
+            # copies the weights and the optimizer's state to the network's)
+            state = torch.load(path, map_location="cpu", weights_only=False)
         except FileNotFoundError:
             raise OSError(f"no checkpoint file {path}") from None
         except Exception as err:
@@ -172,21 +174,22 @@ class LayerParallelModel:
         return self.module.to_serial()
 
 
-def build_model(settings: Settings, net: ResNetSpec, comm: Any, data_comm: Any
-                ) -> TrainedModel:
-    """The network of `net` as [training] says to train it: serial, or layer-parallel over
-    `comm` (replicas summing gradients over `data_comm` when data_parallel > 1)."""
+def build_model(settings: Settings, net: ResNetSpec, comm: Any, data_comm: Any,
+                device: torch.device = torch.device("cpu")) -> TrainedModel:
+    """The network of `net` on `device` as [training] says to train it: serial, or
+    layer-parallel over `comm` (replicas summing gradients over `data_comm` when
+    data_parallel > 1)."""
     t = settings.training
     if t.serial:
         keyed = settings.network.kind in TRANSFORMERS and settings.network.dropout > 0
         return SerialModel(serial_resnet(net.step, net.num_steps, net.t_final, net.opening,
-                                         net.closing), t.seed, keyed)
+                                         net.closing).to(device), t.seed, keyed)
     try:
         return LayerParallelModel(LayerParallel(
             net.step, net.num_steps, net.t_final, settings.solver("forward"),
             settings.solver("backward"), comm=comm, opening=net.opening,
             closing=net.closing, data_comm=data_comm if t.data_parallel > 1 else None,
-            seed=t.seed))
+            seed=t.seed).to(device))
     except (ValueError, TypeError) as err:
         # its checks see the same settings on every rank (or agree across them)
         raise SettingsError(str(err)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -65,6 +66,8 @@ class TrainingSettings:
     steps_per_epoch: int = 0        # optimizer steps per epoch; 0: one pass over the data
     data_parallel: int = 1          # replicas; ranks / data_parallel ranks hold the layers
     serial: bool = False            # train the plain network with autograd (the baseline)
+    device: str = "cpu"             # cpu; cuda: each rank a GPU of its node (its index
+                                    # there modulo the node's GPUs); cuda:N: GPU N on every rank
 
 
 @dataclass
@@ -186,6 +189,9 @@ def _coerce(section: str, key: str, value: Any, kind: Any) -> Any:
         raise SettingsError(f"{where} must lie in (0, 1), got {value}")
     if (section, key) in (("output", "trace"), ("output", "checkpoint_every")) and value < 0:
         raise SettingsError(f"{where} must be >= 0 (training steps), got {value}")
+    if (section, key) == ("training", "device") and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise SettingsError(f"{where} = {value!r} is not valid; choose 'cpu', 'cuda' (each "
+                            "rank a GPU of its node) or 'cuda:N' (GPU N)")
     if kind is float and not math.isfinite(value):
         raise SettingsError(f"{where} must be a finite number, got {value}")
     if (section, key) == ("training", "lr") and not value > 0:
@@ -373,7 +379,7 @@ def describe_keys() -> list[tuple[str, str, Any]]:
 # checkpoint's warm-start states are shaped by it.
 RESUMABLE = {
     "data": {"root", "download"},
-    "training": {"epochs", "lr", "momentum", "weight_decay"},
+    "training": {"epochs", "lr", "momentum", "weight_decay", "device"},
     "output": {f.name for f in fields(OutputSettings)},
     "control": {f.name for f in fields(ControlSettings)},
     "forward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},

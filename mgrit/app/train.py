@@ -4,6 +4,8 @@ chosen once, so the run reads the same serial and layer-parallel."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -19,6 +21,7 @@ from ..nn.engine.atomic import AppendedFile, WriteError, write_atomically
 from . import data as datasets
 from .collective import agreed, on_rank_zero
 from .data import batches
+from .devices import node_rank, rank_device, synchronize
 from .loop import correct, evaluate, sequence_cross_entropy
 from .models import build_model
 from .network import is_language_model, make_optimizer, network_for
@@ -43,6 +46,10 @@ def refuse_layout(settings: Settings, size: int, resume: bool) -> None:
     if t.batch_size % t.data_parallel:
         raise SettingsError(f"[training] batch_size = {t.batch_size} must be a multiple of "
                             f"data_parallel = {t.data_parallel}")
+    if trace and t.device != "cpu":
+        raise SettingsError(f"[output] trace = {trace}: traces time each rank's work on the "
+                            f"host, which on a GPU runs ahead of the device; trace with "
+                            f"[training] device = 'cpu', not {t.device!r}")
     if trace and (t.serial or t.data_parallel > 1):
         raise SettingsError(f"[output] trace = {trace}: traces record layer-parallel "
                             "training without data parallelism (training.serial = false, "
@@ -89,9 +96,19 @@ class Run:
         self.out = Path(settings.output.dir)
         t = settings.training
         refuse_layout(settings, self.size, resume)
-        self.split = datasets.load(settings.data.name, settings.data.root,
-                                   settings.data.download, settings.data.test_fraction,
-                                   settings.data.samples, seed=0, context=settings.data.context)
+        self.device = torch.device("cpu")
+        if t.device != "cpu":
+            index = node_rank(world)
+            self.device = agreed(world, lambda: rank_device(t.device, index))
+            torch.cuda.set_device(self.device)
+        split = datasets.load(settings.data.name, settings.data.root, settings.data.download,
+                              settings.data.test_fraction, settings.data.samples, seed=0,
+                              context=settings.data.context)
+        # all of it on the device at once: the data sets are small beside the network's
+        # activations, and a batch is then drawn there without a copy
+        self.split = dataclasses.replace(
+            split, x_train=split.x_train.to(self.device), y_train=split.y_train.to(self.device),
+            x_test=split.x_test.to(self.device), y_test=split.y_test.to(self.device))
         self.steps_per_epoch = steps_per_epoch(settings, self.split)
         self.layer_comm = self.data_comm = None
         if world is not None and not t.serial:
@@ -108,7 +125,7 @@ class Run:
             comm = self.traces.comm(comm)
         torch.manual_seed(t.seed)
         self.model = build_model(settings, network_for(settings, self.split), comm,
-                                 self.data_comm)
+                                 self.data_comm, self.device)
         self.loss_fn = (sequence_cross_entropy if is_language_model(settings)
                         else nn.functional.cross_entropy)
         self.optimizer = make_optimizer(settings, self.model.module.parameters())
@@ -260,6 +277,9 @@ class Run:
                 metrics.close()
         if o.export:
             plain = self.model.to_serial()
+            if plain is not None and self.device.type != "cpu":
+                # exported for any machine: `torch.load` of it needs no GPU
+                plain = copy.deepcopy(plain).cpu()
             if self.rank == 0 and plain is not None:
                 write_atomically(self.out / "model.pt", lambda f: torch.save(plain, f))
         return summary
@@ -290,6 +310,7 @@ class Run:
             t0 = time.perf_counter()
             loss, out = self.model.train_step(self.optimizer, self.loss_fn, xb, yb, mark,
                                               self.controller)
+            synchronize(self.device)
             seconds = time.perf_counter() - t0
             if tracing:
                 self.traces.done(ran - 1, seconds)
