@@ -242,6 +242,45 @@ def test_the_guard_follows_a_guarded_pass_to_the_thread_of_its_adjoint(monkeypat
     assert threads == [threading.get_ident()] * 2
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """Identity whose backward scales the gradient by a number read on the host, and notes
+    whether autograd may run it on a device thread of its own (as on CUDA)."""
+
+    threads_allowed: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ScaledGradient.threads_allowed.append(torch._C._is_multithreading_enabled())
+        return grad / max(grad.abs().max().item(), 1.0)
+
+
+class _ClosingReadsInBackward(nn.Linear):
+    def forward(self, x):
+        return super().forward(_ScaledGradient.apply(x))
+
+
+def test_a_read_in_the_backward_of_the_closing_is_refused():
+    """On CUDA autograd runs the closing's backward on its device thread, which the
+    adjoint's carried guard does not reach: the guarded step runs its backward pass on its
+    own thread instead (torch runs every node there while multithreading is off), and the
+    read is refused there, naming its line."""
+    torch.manual_seed(0)
+    model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 8,
+                                forward=FORWARD, backward=BACKWARD, opening=nn.Linear(5, 8),
+                                closing=_ClosingReadsInBackward(8, 3)).double()
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    _ScaledGradient.threads_allowed.clear()
+    step.step(*data("dense", 4))      # the eager first step reads as it likes
+    with pytest.raises(CaptureError, match=r"Tensor\.item\(\) of a tensor of shape \(\) on "
+                                           r"cpu\) in backward at .*test_capture\.py"):
+        step.step(*data("dense", 4))
+    assert _ScaledGradient.threads_allowed == [True, False]
+
+
 class _OpeningReads(nn.Linear):
     """Normalises by a scale read on the host (the step modules cannot: vmap refuses it)."""
 

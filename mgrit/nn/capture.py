@@ -163,9 +163,13 @@ class _Captured:
     def _guarded_run(self) -> None:
         """`_run` under the host-read guard; a read is refused naming where it was made. On
         several ranks its messages run as they come, checked as a capture would check
-        them (`mgrit.comm.cuts.Running`)."""
+        them (`mgrit.comm.cuts.Running`). Its backward pass runs on this thread: on CUDA
+        autograd would run it on a device thread of its own, outside the guard (which holds
+        per thread), where a read in the backward of the opening, the closing or the loss
+        would go unseen until the capture failed on it."""
         try:
-            with self.guarded(), self._cutting():
+            with self.guarded(), self._cutting(), \
+                    torch.autograd.set_multithreading_enabled(False):
                 self._run()
         except HostSyncError as err:
             raise CaptureError(
