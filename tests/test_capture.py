@@ -101,11 +101,32 @@ def test_captured_step_gives_the_eager_steps_numbers_to_the_bit(kind, opt_name, 
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
 
 
+def test_the_steps_output_is_the_eager_steps_in_one_place():
+    """`output` holds each step's model(x), as the eager step computes it, in the same
+    tensor every step, through the capture and its replays (the CPU stand-in)."""
+    eager, _ = build("dense", 8, FORWARD, BACKWARD)
+    outputs = []
+
+    def recording(out, y):
+        outputs.append(out.detach().clone())
+        return loss_fn(out, y)
+    train_eagerly(eager, optimizer("sgd", eager), recording, batches("dense", 5))
+    model, _ = build("dense", 8, FORWARD, BACKWARD)
+    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
+    replays = stand_in(step)
+    held = []
+    for k, (x, y) in enumerate(batches("dense", 5)):
+        step.step(x, y)
+        assert torch.equal(step.output, outputs[k])
+        held.append(step.output.data_ptr())
+    assert replays.replays == 3 and len(set(held)) == 1
+
+
 def _storage(step):
     """data_ptr of everything a step must keep where it is."""
     model, opt = step.model, step.optimizer
     ptrs = {"input": step.inputs[0].data_ptr(), "target": step.inputs[1].data_ptr(),
-            "loss": step.loss.data_ptr()}
+            "loss": step.loss.data_ptr(), "output": step.output.data_ptr()}
     for i, p in enumerate(model.parameters()):
         ptrs[f"param {i}"] = p.data_ptr()
         ptrs[f"grad {i}"] = p.grad.data_ptr()

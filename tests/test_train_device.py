@@ -112,26 +112,32 @@ def _losses(folder):
 @pytest.mark.mpi
 def test_training_on_a_gpu_equals_training_on_the_cpu(tmp_path):
     """One rank and two ranks sharing the GPU against the CPU (float32: the kernels differ,
-    so the losses agree to rounding); a GPU checkpoint resumed on the CPU, for both the
-    layer-parallel and the serial network; the exported network loaded on the host."""
+    so the losses agree to rounding), eager and captured (`--capture`: steps 3 and 4 are
+    replays of CUDA graphs); GPU checkpoints resumed on the CPU, for the layer-parallel and
+    the serial network; the exported network loaded on the host."""
     cpu, gpu, two = tmp_path / "cpu", tmp_path / "gpu", tmp_path / "two"
+    captured, captured_two = tmp_path / "captured", tmp_path / "captured-two"
     mgrit("train", *SMALL, "--epochs", "2", "--out", str(cpu))
     mgrit("train", *SMALL, "--device", "cuda", "--out", str(gpu))
     mgrit("train", *SMALL, "--device", "cuda", "--out", str(two), ranks=2, timeout=240)
+    mgrit("train", *SMALL, "--device", "cuda", "--capture", "--out", str(captured))
+    mgrit("train", *SMALL, "--device", "cuda", "--capture", "--out", str(captured_two),
+          ranks=2, timeout=240)
     expected = _losses(cpu)
     assert len(expected) == 8
-    for folder in (gpu, two):
+    for folder in (gpu, two, captured, captured_two):
         assert _losses(folder) == pytest.approx(expected[:4], rel=1e-4), folder
         assert all(r["seconds"] > 0 for r in records(folder) if "seconds" in r)
     exported = torch.load(gpu / "model.pt", weights_only=False)
     assert {p.device.type for p in exported.parameters()} == {"cpu"}
     mgrit("train", *SMALL, "--epochs", "2", "--device", "cpu", "--resume", "--out", str(gpu))
     assert _losses(gpu) == pytest.approx(expected, rel=1e-4)
-    serial = tmp_path / "serial"
-    mgrit("train", *SMALL, "--serial", "--device", "cuda", "--out", str(serial))
+    serial_cpu, serial = tmp_path / "serial-cpu", tmp_path / "serial"
+    mgrit("train", *SMALL, "--serial", "--epochs", "2", "--out", str(serial_cpu))
+    mgrit("train", *SMALL, "--serial", "--device", "cuda", "--capture", "--out", str(serial))
     mgrit("train", *SMALL, "--serial", "--epochs", "2", "--device", "cpu", "--resume",
           "--out", str(serial))
-    assert len(_losses(serial)) == 8
+    assert _losses(serial) == pytest.approx(_losses(serial_cpu), rel=1e-4)
 
 
 @pytest.mark.parametrize("device,caption", [("cpu", "seed 0. "), ("cuda:1", "seed 0, on cuda:1.")])

@@ -81,6 +81,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, serial: bool = True)
                         "train with the solver options mgrit.nn.choose_settings picks on the "
                         "first batch within the threshold, timed against exact stepping "
                         "([control] choose = true)")
+    parser.add_argument("--capture", action="store_true", help="every training step on "
+                        "static buffers, captured as CUDA graphs on a GPU ([training] "
+                        "capture = true)")
     parser.add_argument("--verbose", action="store_true", help="every rank logs its steps")
 
 
@@ -97,6 +100,7 @@ def settings_from(args: argparse.Namespace) -> Any:
              "no_checkpoint": ("output", "checkpoint", False),
              "no_control": ("control", "enabled", False),
              "choose": ("control", "choose", True),
+             "capture": ("training", "capture", True),
              "verbose": ("output", "verbose", True), "overwrite": ("output", "overwrite", True)}
     for attr, (section, key, value) in flags.items():
         if getattr(args, attr, False):

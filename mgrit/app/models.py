@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from ..core.config import Config
-from ..nn import Controller, LayerParallel, choose_settings, draws, serial_resnet
+from ..execute import CudaCapture
+from ..nn import CapturedStep, Controller, LayerParallel, choose_settings, draws, serial_resnet
 from ..nn.engine.atomic import write_atomically
 from ..nn.blocks import ResNetSpec
 from .loop import LossFn, train_step
@@ -60,11 +61,15 @@ class TrainedModel(Protocol):
 
 
 class SerialModel:
-    """A plain residual network trained in one process; its checkpoint is one file."""
+    """A plain residual network trained in one process; its checkpoint is one file. With
+    `capture` its training steps run as one CUDA graph on a GPU (`OneGraphStep`)."""
 
-    def __init__(self, module: nn.Module, seed: int, keyed_draws: bool) -> None:
+    def __init__(self, module: nn.Module, seed: int, keyed_draws: bool,
+                 capture: bool = False) -> None:
         self.module = module
         self.seed = seed
+        self.capture = capture
+        self._captured: OneGraphStep | None = None
         # a network with dropout draws the masks of the layer-parallel network's training
         # step of the same number (keyed by the seed and the step): both train the same
         # network, and a resumed run continues the draws (the count is checkpointed)
@@ -88,6 +93,10 @@ class SerialModel:
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None
                    ) -> tuple[Tensor, Tensor]:
+        if self.capture:
+            if self._captured is None:
+                self._captured = OneGraphStep(self.module, optimizer, loss_fn, xb, yb)
+            return self._captured.step(xb, yb)
         if not self.keyed_draws:
             return train_step(self.module, optimizer, loss_fn, xb, yb, mark, controller)
         with draws(self.seed, self.draw_step):
@@ -123,10 +132,13 @@ class SerialModel:
 
 
 class LayerParallelModel:
-    """A `LayerParallel` network: each rank saves and loads its own layers."""
+    """A `LayerParallel` network: each rank saves and loads its own layers. With `capture`
+    its training steps are those of a `mgrit.nn.CapturedStep` (CUDA graphs on a GPU)."""
 
-    def __init__(self, module: LayerParallel) -> None:
+    def __init__(self, module: LayerParallel, capture: bool = False) -> None:
         self.module = module
+        self.capture = capture
+        self._captured: CapturedStep | None = None
 
     @property
     def draw_step(self) -> int:
@@ -138,6 +150,9 @@ class LayerParallelModel:
 
     @property
     def stats(self) -> dict[str, Any]:
+        if self._captured is not None:
+            # its residual norms are device tensors; read here, after the step
+            return self._captured.stats()
         return self.module.stats
 
     def controller(self, control: ControlSettings) -> Controller | None:
@@ -161,7 +176,16 @@ class LayerParallelModel:
     def train_step(self, optimizer: torch.optim.Optimizer, loss_fn: LossFn, xb: Tensor,
                    yb: Tensor, mark: Mark | None, controller: Controller | None
                    ) -> tuple[Tensor, Tensor]:
-        return train_step(self.module, optimizer, loss_fn, xb, yb, mark, controller)
+        if not self.capture:
+            return train_step(self.module, optimizer, loss_fn, xb, yb, mark, controller)
+        if self._captured is None:
+            # built at the first step: after a resume has restored the optimizer's state
+            # and the solvers it chose, whose storage the captured step then keeps
+            self._captured = CapturedStep(self.module, loss_fn, optimizer, xb, yb,
+                                          controller=controller)
+        loss = self._captured.step(xb, yb)
+        # the next step overwrites both
+        return loss.clone(), self._captured.output.clone()
 
     def save(self, folder: Path, optimizer: torch.optim.Optimizer,
              extra: dict[str, Any]) -> None:
@@ -174,6 +198,54 @@ class LayerParallelModel:
         return self.module.to_serial()
 
 
+class OneGraphStep:
+    """A plain network's training step on static buffers (the batch copied in, the loss and
+    the output kept in place): on CUDA the first step runs eagerly (it makes the
+    optimizer's state), the second on the stream that captures, the third is captured as
+    one CUDA graph and every later step replays it; elsewhere every step runs eagerly.
+    What a layer-parallel `CapturedStep` is measured against."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 x: Tensor, y: Tensor) -> None:
+        self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
+        self.inputs = (x.detach().clone(), y.detach().clone())
+        self.graphs = x.device.type == "cuda"
+        self._capturer = CudaCapture()
+        self._graph: Any = None
+        self.runs = 0
+        self.loss: Tensor | None = None
+        self.output: Tensor | None = None
+
+    def _run(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+        out = self.module(self.inputs[0])
+        loss = self.loss_fn(out, self.inputs[1])
+        loss.backward()
+        self.optimizer.step()
+        if self.loss is None:
+            self.loss, self.output = loss.detach().clone(), out.detach().clone()
+        else:
+            self.loss.copy_(loss.detach())
+            self.output.copy_(out.detach())
+
+    def step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """One step on (x, y), which have the first batch's shape (the batches of a run
+        do); returns (loss, output), copies of the static ones."""
+        for given, static in zip((x, y), self.inputs):
+            static.copy_(given)
+        if self._graph is not None:
+            self._graph.replay()
+        elif self.graphs and self.runs == 1:
+            self._capturer.warm_up(self.inputs[0], self._run)
+        elif self.graphs and self.runs == 2:
+            self._graph = self._capturer.capture(self.inputs[0], self._run)
+            self._graph.replay()
+        else:
+            self._run()
+        self.runs += 1
+        return self.loss.clone(), self.output.clone()
+
+
 def build_model(settings: Settings, net: ResNetSpec, comm: Any, data_comm: Any,
                 device: torch.device = torch.device("cpu")) -> TrainedModel:
     """The network of `net` on `device` as [training] says to train it: serial, or
@@ -183,13 +255,13 @@ def build_model(settings: Settings, net: ResNetSpec, comm: Any, data_comm: Any,
     if t.serial:
         keyed = settings.network.kind in TRANSFORMERS and settings.network.dropout > 0
         return SerialModel(serial_resnet(net.step, net.num_steps, net.t_final, net.opening,
-                                         net.closing).to(device), t.seed, keyed)
+                                         net.closing).to(device), t.seed, keyed, t.capture)
     try:
         return LayerParallelModel(LayerParallel(
             net.step, net.num_steps, net.t_final, settings.solver("forward"),
             settings.solver("backward"), comm=comm, opening=net.opening,
             closing=net.closing, data_comm=data_comm if t.data_parallel > 1 else None,
-            seed=t.seed).to(device))
+            seed=t.seed).to(device), t.capture)
     except (ValueError, TypeError) as err:
         # its checks see the same settings on every rank (or agree across them)
         raise SettingsError(str(err)) from None

@@ -52,5 +52,8 @@ def make_optimizer(settings: Settings, params) -> torch.optim.Optimizer:
     """The [training] optimizer over `params`."""
     t = settings.training
     if t.optimizer == "adam":
-        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+        # a CUDA graph updates Adam's step count only where it lives on the device
+        capturable = t.capture and t.device != "cpu"
+        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay,
+                                capturable=capturable)
     return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)

@@ -68,6 +68,10 @@ class TrainingSettings:
     serial: bool = False            # train the plain network with autograd (the baseline)
     device: str = "cpu"             # cpu; cuda: each rank a GPU of its node (its index
                                     # there modulo the node's GPUs); cuda:N: GPU N on every rank
+    # every training step on static buffers, without host reads: on CUDA captured as CUDA
+    # graphs and replayed (mgrit.nn.CapturedStep; a serial network's step as one graph),
+    # elsewhere the same step run eagerly
+    capture: bool = False
 
 
 @dataclass
@@ -243,12 +247,39 @@ def check(settings: Settings) -> Settings:
         raise SettingsError(f"[output] checkpoint_every = {settings.output.checkpoint_every} "
                             "asks for checkpoints and checkpoint = false (--no-checkpoint) "
                             "for none: choose one")
+    if settings.training.capture:
+        _check_capture(settings)
     if kind == "vit":
         size = IMAGE_SHAPES[name][-1]
         if size % net.patch:
             raise SettingsError(f"[network] patch = {net.patch} must divide the {size}x{size} "
                                 f"images of {name} (the patches tile the image)")
     return settings
+
+
+def _check_capture(settings: Settings) -> None:
+    """What a captured training step cannot hold, refused with the setting to change."""
+    net = settings.network
+    if net.kind in TRANSFORMERS and net.dropout > 0:
+        raise SettingsError(f"[training] capture = true and [network] dropout = {net.dropout}: "
+                            "dropout's keys are made on the host for every step, which a "
+                            "replayed graph would repeat; use dropout = 0 or no capture")
+    if settings.output.trace:
+        raise SettingsError(f"[training] capture = true and [output] trace = "
+                            f"{settings.output.trace}: a trace marks the end of each "
+                            "forward pass, inside the captured step; trace without capture")
+    if settings.training.serial:
+        return
+    for kind in ("forward", "backward"):
+        solver = settings.solver(kind)
+        if solver.tol != 0.0:
+            raise SettingsError(f"[training] capture = true and [{kind}] tol = {solver.tol}: "
+                                f"a captured step runs max_iter cycles, with no residual "
+                                f"read between them; set {kind}.tol = 0")
+        if solver.cuda_graphs:
+            raise SettingsError(f"[training] capture = true and [{kind}] cuda_graphs = true: "
+                                "the captured step is captured whole, and graphs do not "
+                                f"nest; set {kind}.cuda_graphs = false")
 
 
 def _field_type(cls: type, key: str) -> Any:
@@ -379,7 +410,7 @@ def describe_keys() -> list[tuple[str, str, Any]]:
 # checkpoint's warm-start states are shaped by it.
 RESUMABLE = {
     "data": {"root", "download"},
-    "training": {"epochs", "lr", "momentum", "weight_decay", "device"},
+    "training": {"epochs", "lr", "momentum", "weight_decay", "device", "capture"},
     "output": {f.name for f in fields(OutputSettings)},
     "control": {f.name for f in fields(ControlSettings)},
     "forward": set(SOLVER_KEYS) - {"levels", "coarsening", "min_coarse"},

@@ -300,7 +300,7 @@ class _Captured:
 class CapturedStep(_Captured):
     """`step(x, y)` = one training step of `model` on the batch (x, y): zero the gradients,
     `loss_fn(model(x), y).backward()`, `optimizer.step()`; returns the loss, a tensor that
-    the next step overwrites.
+    the next step overwrites (as it does `output`, the step's `model(x)`, detached).
 
     Every step runs on the same storage: the batch is copied into static inputs shaped like
     `example_input` and `example_target` (a batch of another shape is refused), states,
@@ -349,6 +349,7 @@ class CapturedStep(_Captured):
         if self.device.type == "cuda":
             _check_optimizer(optimizer)
         self.loss: Tensor | None = None
+        self.output: Tensor | None = None
         self._hold(True)
 
     @property
@@ -380,18 +381,18 @@ class CapturedStep(_Captured):
         return self.loss
 
     def _run(self) -> None:
-        """The step's work, on the static inputs; the loss into the static loss."""
+        """The step's work, on the static inputs; the loss and the output into static
+        tensors."""
         self.optimizer.zero_grad(set_to_none=False)
-        loss = self.loss_fn(self.model(self.inputs[0]), self.inputs[1])
+        out = self.model(self.inputs[0])
+        loss = self.loss_fn(out, self.inputs[1])
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             got = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss)
             raise CaptureError(f"loss_fn must return a scalar tensor, got {got}")
         loss.backward()
         self.optimizer.step()
-        if self.loss is None:
-            self.loss = loss.detach().clone()
-        else:
-            self.loss.copy_(loss.detach())
+        self.loss = _kept(self.loss, loss)
+        self.output = _kept(self.output, out)
         self._keep_history()
 
     def _allowed_reads(self) -> list[Tensor]:
@@ -460,17 +461,22 @@ class CapturedForward(_Captured):
             if not isinstance(out, Tensor):
                 raise CaptureError(f"the model's closing must return a tensor, got "
                                    f"{type(out).__name__}")
-            if (self.output is None or self.output.shape != out.shape
-                    or self.output.dtype != out.dtype):
-                self.output = out.detach().clone()
-            else:
-                self.output.copy_(out)
+            self.output = _kept(self.output, out)
         self._keep_history()
 
     def _hold(self, captured: bool) -> None:
         """The forward passes without gradients; their solvers stay, with their states
         (`Passes.set_captured_no_grad`)."""
         self.model._passes.set_captured_no_grad(captured)
+
+
+def _kept(static: Tensor | None, value: Tensor) -> Tensor:
+    """`value` copied into the static tensor that holds it from run to run (made at the
+    first run, and again should the shape or dtype change, as only an eager run can)."""
+    value = value.detach()
+    if static is None or static.shape != value.shape or static.dtype != value.dtype:
+        return value.clone()
+    return static.copy_(value)
 
 
 def _draws(model: LayerParallel) -> bool:
