@@ -101,3 +101,19 @@ def test_library_refusal_of_another_replica_count_points_at_the_export(tmp_path)
     exported = serial_state_dict(tmp_path)
     assert serial.keys() == exported.keys()
     assert all(torch.equal(serial[k], exported[k]) for k in serial)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ranks", "2", "--steps", "8", "--levels", "3"],
+     "num_steps=8 is too small for the forward solver's levels=3"),
+    (["--ranks", "3", "--steps", "2", "--levels", "1"],
+     "num_steps=2 layers cannot be shared by 3 ranks"),
+])
+def test_compare_refuses_a_layer_parallel_run_before_the_serial_one_trains(
+        tmp_path, flags, message):
+    out = tmp_path / "out"
+    run = mgrit("compare", *flags, "--epochs", "1", "--width", "8", "--no-progress",
+                "--out", str(out), check=False)
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"mgrit compare: error: {message}"), run.stderr
+    assert not (out / "serial").exists()

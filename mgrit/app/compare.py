@@ -15,11 +15,13 @@ import torch
 from . import launch, plot
 from ..core.config import Config
 from ..core.cycle import DivergenceError, solve
+from ..core.grid import level0_blocks
+from ..nn.checks import level_grids, partition
 from ..nn.defaults import training_options
 from ..problems import Dahlquist, Heat1D, ModuleResNet
 from .outputs import refuse_used
-from .settings import Settings, plain_options
-from .train import Run
+from .settings import Settings, SettingsError, plain_options
+from .train import Run, refuse_layout
 
 
 def _with_output(settings: Settings, folder: Path, serial: bool, label: str) -> Settings:
@@ -30,11 +32,27 @@ def _with_output(settings: Settings, folder: Path, serial: bool, label: str) -> 
     return s
 
 
+def refuse_layer_parallel(settings: Settings, ranks: int) -> None:
+    """What would stop the layer-parallel run on `ranks` ranks, said before the serial run
+    trains: its layout, its solvers' levels against the layers, the layers' partition."""
+    lp = _with_output(settings, Path(settings.output.dir), serial=False, label="")
+    refuse_layout(lp, ranks, resume=False)
+    steps = lp.network.steps
+    try:
+        grids = {kind: level_grids(kind, lp.solver(kind), steps)
+                 for kind in ("forward", "backward")}
+        partition(level0_blocks(grids["forward"], ranks // lp.training.data_parallel), steps)
+    except ValueError as err:
+        raise SettingsError(str(err)) from None
+
+
 def train_both(settings: Settings, out: Path, ranks: int) -> dict[str, Path]:
     """Serial training in this process; layer-parallel training here (1 rank) or under
-    `mpiexec -n ranks`. Same seed, same data order. Both output folders are checked before
-    either run starts, so that a used one is refused before any training."""
+    `mpiexec -n ranks`. Same seed, same data order. Both output folders and the
+    layer-parallel settings are checked before either run starts, so that a used folder
+    or a network the ranks cannot share is refused before any training."""
     folders = {"serial": out / "serial", "layer-parallel": out / "layer-parallel"}
+    refuse_layer_parallel(settings, ranks)
     for folder in folders.values():
         refuse_used(folder, settings.output.overwrite)
     Run(_with_output(settings, folders["serial"], serial=True, label="serial")).run()

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..comm.base import innermost
 from ..core.config import Config
-from ..core.grid import LevelGrid, build_hierarchy
+from ..core.grid import LevelGrid, build_hierarchy, layer_ranges
 from .engine import randomness as draws
 from .engine.stack import LayerStack
 
@@ -35,6 +35,19 @@ def level_grids(kind: str, cfg: Any, num_steps: int) -> list[LevelGrid]:
             f"{cfg.min_coarse}: the levels would have {sizes} steps; use fewer levels, "
             "a smaller coarsening or more layers")
     return grids
+
+
+def partition(blocks: list[tuple[int, int]], num_steps: int) -> list[tuple[int, int]]:
+    """The (first, last) layer of each rank, whose fine-level `blocks` the forward pass's
+    grids give (`level0_blocks`); refused where a rank would hold none (the adjoint solve
+    would have no state to run on there)."""
+    ranks = len(blocks)
+    ranges = layer_ranges(blocks, num_steps)
+    if any(last < first for first, last in ranges):
+        raise ValueError(f"num_steps={num_steps} layers cannot be shared by {ranks} ranks: "
+                         f"every rank needs at least one layer; use at most {num_steps} "
+                         f"rank(s) or at least {ranks} layers")
+    return ranges
 
 
 def draws_from_generator(layers: LayerStack, u0: Tensor) -> bool:

@@ -22,11 +22,11 @@ from torch import Tensor, nn
 from ..comm import Comm, as_comm
 from ..comm.cuts import CutComm, Cuts
 from ..core.config import Config
-from ..core.grid import layer_ranges, level0_blocks
+from ..core.grid import level0_blocks
 from ..kernels.choice import check_kernels
 from . import checkpoint, clipping, export
 from .capture_guard import guard_carried, guard_here
-from .checks import check_backward_thread, check_inputs, level_grids
+from .checks import check_backward_thread, check_inputs, level_grids, partition
 from .defaults import training_config
 from .engine.ghosts import GhostExchange
 from .engine.gradients import average_gradients, context_gradients, layer_gradients
@@ -160,14 +160,7 @@ class LayerParallel(nn.Module):
             if self.data_comm is not None and self.data_comm.size > 1:
                 self.data_comm = CutComm(self.data_comm, self._cuts)
         blocks = level0_blocks(grids["forward"], self.comm.size)
-        ranges = layer_ranges(blocks, num_steps)
-        if any(last < first for first, last in ranges):
-            # a rank without layers has no states for the adjoint solve to run on
-            raise ValueError(f"num_steps={num_steps} layers cannot be shared by "
-                             f"{self.comm.size} ranks: every rank needs at least one layer; "
-                             f"use at most {num_steps} rank(s) or at least "
-                             f"{self.comm.size} layers")
-        lo, hi = ranges[self.comm.rank]
+        lo, hi = partition(blocks, num_steps)[self.comm.rank]
         self.layer_range = (lo, hi)
         template, kept, tied = build_layers(step, num_steps, range(lo, hi + 1))
         self.layers = LayerStack(template, kept, lo, hi)
