@@ -23,7 +23,8 @@
 #      pass by skipping (the MPI test needs mpiexec: carry the wheels): the CUDA
 #      kernels against their twins, the executors against the loop executor, levels=1
 #      against serial autograd, two ranks sharing the GPU against one, and their steps
-#      captured as graphs between the messages against eager ones; $OUT/pytest.xml.
+#      captured as graphs between the messages against eager ones, `mgrit train --device
+#      cuda` (eager and --capture) against the CPU; $OUT/pytest.xml.
 #   4. Speed: benchmarks/gpu_check.py (its docstring lists the methods; TIMING_TIMEOUT,
 #      250 s; DEVICE=cpu is its dry run without a GPU; WORKLOADS and COMPILE choose its
 #      workloads and those torch.compile runs on, COMPILE= none): $OUT/gpu-<device>.json

@@ -6,8 +6,10 @@ cannot hold is refused before any work. (On a GPU: tests/test_train_device.py.)"
 import pytest
 import torch
 
+from mgrit.app.cli import build_parser, settings_from
 from mgrit.app.network import make_optimizer
 from mgrit.app.settings import SettingsError, check, load
+from mgrit.app.train import Run
 
 from runs import mgrit, records
 
@@ -15,6 +17,13 @@ from runs import mgrit, records
 SMALL = ["--epochs", "2", "--steps", "8", "--width", "8", "--no-progress",
          "--set", "training.steps_per_epoch=4", "--set", "forward.levels=2",
          "--set", "backward.levels=2"]
+
+
+def train(folder, *flags, resume=False):
+    """`mgrit train *flags --out folder` in this process, as the command runs it on one
+    rank (a process of its own would cost seconds of imports a run)."""
+    args = build_parser().parse_args(["train", *SMALL, *flags, "--out", str(folder)])
+    Run(check(settings_from(args)), resume=resume).run()
 
 
 def _losses(folder, kind="step", key="loss"):
@@ -27,10 +36,10 @@ def test_captured_training_gives_the_eager_numbers(tmp_path, serial, optimizer):
     """Both epochs' losses, accuracies and test losses, and the residual histories read after each
     step from the device norms; the layer-parallel SGD run also cut after the first epoch
     and resumed, captured again, as it would have gone on."""
-    flags = [*SMALL, "--no-control", "--optimizer", optimizer] + (["--serial"] if serial else [])
+    flags = ["--no-control", "--optimizer", optimizer] + (["--serial"] if serial else [])
     eager, captured = tmp_path / "eager", tmp_path / "captured"
-    mgrit("train", *flags, "--out", str(eager))
-    mgrit("train", *flags, "--capture", "--out", str(captured))
+    train(eager, *flags)
+    train(captured, *flags, "--capture")
     assert len(_losses(captured)) == 8
     assert _losses(captured) == _losses(eager)
     for key in ("test_loss", "train_accuracy"):     # the latter counts the step's outputs
@@ -42,14 +51,14 @@ def test_captured_training_gives_the_eager_numbers(tmp_path, serial, optimizer):
     assert all(len(r) == 2 for r in _losses(captured, key="forward_residuals"))
     if optimizer == "sgd":
         cut = tmp_path / "cut"
-        mgrit("train", *flags, "--capture", "--epochs", "1", "--out", str(cut))
-        mgrit("train", *flags, "--capture", "--resume", "--out", str(cut))
+        train(cut, *flags, "--capture", "--epochs", "1")
+        train(cut, *flags, "--capture", resume=True)
         assert _losses(cut) == _losses(eager)
 
 
 def test_the_controller_probes_a_captured_run(tmp_path):
     out = tmp_path / "out"
-    mgrit("train", *SMALL, "--capture", "--out", str(out))
+    train(out, "--capture")
     probes = [r for r in records(out) if r["type"] == "probe"]
     assert probes and probes[0]["step"] == 1
     assert 0 <= probes[0]["error"] < 1
@@ -58,7 +67,7 @@ def test_the_controller_probes_a_captured_run(tmp_path):
 @pytest.mark.mpi
 def test_captured_training_on_two_ranks_gives_one_ranks_numbers(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    mgrit("train", *SMALL, "--no-control", "--out", str(one))
+    train(one, "--no-control")
     mgrit("train", *SMALL, "--no-control", "--capture", "--out", str(two), ranks=2,
           timeout=240)
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-6)
