@@ -106,3 +106,21 @@ def test_adam_keeps_its_step_count_on_the_device_where_a_graph_updates_it(
                                              "capture": capture}}])
     optimizer = make_optimizer(settings, [torch.nn.Parameter(torch.ones(2))])
     assert optimizer.param_groups[0]["capturable"] is capturable
+
+
+def test_a_checkpoint_of_a_captured_gpu_run_resumes_on_the_cpu(tmp_path):
+    """Adam in a captured run on a GPU keeps its step counts on the device
+    (capturable=True), and a restored optimizer takes that flag from the checkpoint, which
+    torch refuses on the host. A resumed run sets it as its own settings say. Here the
+    checkpoint of a CPU run is given a GPU run's flag."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    flags = ["--serial", "--optimizer", "adam"]
+    train(whole, *flags)
+    train(cut, *flags, "--epochs", "1")
+    path = cut / (cut / "latest").read_text().strip() / "serial.pt"
+    state = torch.load(path, weights_only=False)
+    for group in state["optimizer"]["param_groups"]:
+        group["capturable"] = True
+    torch.save(state, path)
+    train(cut, *flags, resume=True)
+    assert _losses(cut) == _losses(whole)

@@ -52,8 +52,27 @@ def make_optimizer(settings: Settings, params) -> torch.optim.Optimizer:
     """The [training] optimizer over `params`."""
     t = settings.training
     if t.optimizer == "adam":
-        # a CUDA graph updates Adam's step count only where it lives on the device
-        capturable = t.capture and t.device != "cpu"
         return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay,
-                                capturable=capturable)
+                                capturable=capturable(settings))
     return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def capturable(settings: Settings) -> bool:
+    """Whether the optimizer keeps its step counts on the device: where a CUDA graph
+    updates them (a captured run on a GPU), and only there (on the host torch refuses it)."""
+    return settings.training.capture and settings.training.device != "cpu"
+
+
+def restore_capturable(optimizer: torch.optim.Optimizer, settings: Settings) -> None:
+    """After a resume: a restored optimizer takes the `capturable` flag of the run that
+    wrote the checkpoint, on its device or another; it gets this run's again, and its step
+    counts go where that flag keeps them (the parameters' device, or the host)."""
+    wanted = capturable(settings)
+    for group in optimizer.param_groups:
+        if "capturable" not in group:
+            continue
+        group["capturable"] = wanted
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[p]["step"] = step.to(p.device if wanted else "cpu")

@@ -24,7 +24,7 @@ from .data import batches
 from .devices import node_rank, rank_device, synchronize
 from .loop import correct, evaluate, sequence_cross_entropy
 from .models import build_model
-from .network import is_language_model, make_optimizer, network_for
+from .network import is_language_model, make_optimizer, network_for, restore_capturable
 from .outputs import intact_hint, latest_checkpoint, prepare_output, publish_checkpoint
 from .progress import Progress
 from .records import probe_record, step_fields, step_record
@@ -181,6 +181,7 @@ class Run:
             group["lr"], group["weight_decay"] = t.lr, t.weight_decay
             if "momentum" in group:
                 group["momentum"] = t.momentum
+        restore_capturable(self.optimizer, self.settings)
         self.generator.set_state(extra["generator"])
         # the random draws of the next training step (checkpoints of earlier runs, whose
         # networks had none, lack the count)
