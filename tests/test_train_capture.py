@@ -14,7 +14,7 @@ from mgrit.app.train import Run
 from runs import mgrit, records
 
 # two epochs (an evaluation between them) of four steps each
-SMALL = ["--epochs", "2", "--steps", "8", "--width", "8", "--no-progress",
+SMALL = ["--dataset", "peaks", "--epochs", "2", "--steps", "8", "--width", "8", "--no-progress",
          "--set", "training.steps_per_epoch=4", "--set", "forward.levels=2",
          "--set", "backward.levels=2"]
 
