@@ -115,9 +115,10 @@ def test_training_on_a_gpu_equals_training_on_the_cpu(tmp_path):
     """On the GPU against the CPU (float32: the kernels differ, so the losses agree to
     rounding): one rank eager and captured (`--capture`: steps 3 and 4 are replays of a
     CUDA graph), two ranks sharing the GPU captured (graphs between the messages; their
-    eager steps are the library's tests'); GPU checkpoints resumed on the CPU, for the
-    layer-parallel and the serial network (its step one graph, Adam's); the exported
-    network loaded on the host."""
+    eager steps are the library's tests'); a captured run with the controller and Adam,
+    resumed on the GPU; GPU checkpoints resumed on the CPU, for the layer-parallel and the
+    serial network (its step one graph, Adam's); the exported network loaded on the
+    host."""
     cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
     captured, two = tmp_path / "captured", tmp_path / "captured-two"
     mgrit("train", *SMALL, "--epochs", "2", "--out", str(cpu))
@@ -130,16 +131,27 @@ def test_training_on_a_gpu_equals_training_on_the_cpu(tmp_path):
     for folder in (gpu, captured, two):
         assert _losses(folder) == pytest.approx(expected[:4], rel=1e-4), folder
         assert all(r["seconds"] > 0 for r in records(folder) if "seconds" in r)
+    # with the controller (probes after replays, captured again where it changes the
+    # solvers), Adam's step counts on the GPU, an evaluation while a graph is held, and a
+    # captured GPU run resumed on the GPU
+    controlled = tmp_path / "controlled"
+    adam = [flag for flag in SMALL if flag != "--no-control"] + ["--optimizer", "adam"]
+    mgrit("train", *adam, "--device", "cuda", "--capture", "--out", str(controlled))
+    mgrit("train", *adam, "--epochs", "2", "--device", "cuda", "--capture", "--resume",
+          "--out", str(controlled))
+    losses = _losses(controlled)
+    assert len(losses) == 8 and all(0 < loss < 10 for loss in losses), losses
+    assert [r for r in records(controlled) if r["type"] == "probe"]
     exported = torch.load(gpu / "model.pt", weights_only=False)
     assert {p.device.type for p in exported.parameters()} == {"cpu"}
     mgrit("train", *SMALL, "--epochs", "2", "--device", "cpu", "--resume", "--out", str(gpu))
     assert _losses(gpu) == pytest.approx(expected, rel=1e-4)
     serial_cpu, serial = tmp_path / "serial-cpu", tmp_path / "serial"
     # Adam: a captured run keeps its step counts on the GPU, a resumed one on the host
-    adam = [*SMALL, "--serial", "--optimizer", "adam"]
-    mgrit("train", *adam, "--epochs", "2", "--out", str(serial_cpu))
-    mgrit("train", *adam, "--device", "cuda", "--capture", "--out", str(serial))
-    mgrit("train", *adam, "--epochs", "2", "--device", "cpu", "--resume", "--out",
+    serial_adam = [*SMALL, "--serial", "--optimizer", "adam"]
+    mgrit("train", *serial_adam, "--epochs", "2", "--out", str(serial_cpu))
+    mgrit("train", *serial_adam, "--device", "cuda", "--capture", "--out", str(serial))
+    mgrit("train", *serial_adam, "--epochs", "2", "--device", "cpu", "--resume", "--out",
           str(serial))
     assert _losses(serial) == pytest.approx(_losses(serial_cpu), rel=1e-4)
 

@@ -56,6 +56,10 @@ def train_both(settings: Settings, out: Path, ranks: int) -> dict[str, Path]:
     for folder in folders.values():
         refuse_used(folder, settings.output.overwrite)
     Run(_with_output(settings, folders["serial"], serial=True, label="serial")).run()
+    if torch.cuda.is_initialized():
+        # the layer-parallel ranks share the GPU next: this process keeps its context, not
+        # the serial run's cached memory
+        torch.cuda.empty_cache()
     lp = _with_output(settings, folders["layer-parallel"], serial=False,
                       label="layer-parallel")
     if ranks == 1:

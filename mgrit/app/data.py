@@ -237,6 +237,9 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
     A final short batch is dropped so every batch has the same shape."""
     order = (torch.randperm(len(x), generator=generator) if generator is not None
              else torch.arange(len(x)))
+    # drawn on the host (the same order on any device), indexing where the data lie: an
+    # index on the host would be copied to a GPU, and waited for, at every batch
+    order = order.to(x.device)
     for start in range(0, len(x) - batch_size + 1, batch_size):
         idx = order[start: start + batch_size]
         yield x[idx], y[idx]
