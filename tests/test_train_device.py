@@ -109,51 +109,68 @@ def _losses(folder):
     return [r["loss"] for r in records(folder) if r["type"] == "step"]
 
 
+@pytest.fixture(scope="module")
+def on_the_cpu(tmp_path_factory):
+    """Two epochs of the small run on the CPU, the layer-parallel and the serial (Adam)
+    network: the references of the GPU runs."""
+    folder = tmp_path_factory.mktemp("cpu")
+    mgrit("train", *SMALL, "--epochs", "2", "--out", str(folder / "layer-parallel"))
+    mgrit("train", *SERIAL_ADAM, "--epochs", "2", "--out", str(folder / "serial"))
+    return folder
+
+
+SERIAL_ADAM = [*SMALL, "--serial", "--optimizer", "adam"]
+
+
 @pytest.mark.gpu
 @pytest.mark.mpi
-def test_training_on_a_gpu_equals_training_on_the_cpu(tmp_path):
+def test_training_on_a_gpu_equals_training_on_the_cpu(tmp_path, on_the_cpu):
     """On the GPU against the CPU (float32: the kernels differ, so the losses agree to
     rounding): one rank eager and captured (`--capture`: steps 3 and 4 are replays of a
     CUDA graph), two ranks sharing the GPU captured (graphs between the messages; their
-    eager steps are the library's tests'); a captured run with the controller and Adam,
-    resumed on the GPU; GPU checkpoints resumed on the CPU, for the layer-parallel and the
-    serial network (its step one graph, Adam's); the exported network loaded on the
-    host."""
-    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
-    captured, two = tmp_path / "captured", tmp_path / "captured-two"
-    mgrit("train", *SMALL, "--epochs", "2", "--out", str(cpu))
+    eager steps are the library's tests)."""
+    gpu, captured, two = tmp_path / "gpu", tmp_path / "captured", tmp_path / "captured-two"
     mgrit("train", *SMALL, "--device", "cuda", "--out", str(gpu))
     mgrit("train", *SMALL, "--device", "cuda", "--capture", "--out", str(captured))
     mgrit("train", *SMALL, "--device", "cuda", "--capture", "--out", str(two), ranks=2,
           timeout=240)
-    expected = _losses(cpu)
+    expected = _losses(on_the_cpu / "layer-parallel")
     assert len(expected) == 8
     for folder in (gpu, captured, two):
         assert _losses(folder) == pytest.approx(expected[:4], rel=1e-4), folder
         assert all(r["seconds"] > 0 for r in records(folder) if "seconds" in r)
-    # with the controller (probes after replays, captured again where it changes the
-    # solvers), Adam's step counts on the GPU, an evaluation while a graph is held, and a
-    # captured GPU run resumed on the GPU
-    controlled = tmp_path / "controlled"
-    adam = [flag for flag in SMALL if flag != "--no-control"] + ["--optimizer", "adam"]
-    mgrit("train", *adam, "--device", "cuda", "--capture", "--out", str(controlled))
-    mgrit("train", *adam, "--epochs", "2", "--device", "cuda", "--capture", "--resume",
-          "--out", str(controlled))
-    losses = _losses(controlled)
-    assert len(losses) == 8 and all(0 < loss < 10 for loss in losses), losses
-    assert [r for r in records(controlled) if r["type"] == "probe"]
+
+
+@pytest.mark.gpu
+def test_gpu_checkpoints_resume_on_the_cpu(tmp_path, on_the_cpu):
+    """The layer-parallel network's and the serial one's (its step one CUDA graph, Adam's
+    step counts on the GPU) continue on the CPU as the CPU runs went on; the exported
+    network loads on the host."""
+    gpu, serial = tmp_path / "gpu", tmp_path / "serial"
+    mgrit("train", *SMALL, "--device", "cuda", "--out", str(gpu))
     exported = torch.load(gpu / "model.pt", weights_only=False)
     assert {p.device.type for p in exported.parameters()} == {"cpu"}
     mgrit("train", *SMALL, "--epochs", "2", "--device", "cpu", "--resume", "--out", str(gpu))
-    assert _losses(gpu) == pytest.approx(expected, rel=1e-4)
-    serial_cpu, serial = tmp_path / "serial-cpu", tmp_path / "serial"
-    # Adam: a captured run keeps its step counts on the GPU, a resumed one on the host
-    serial_adam = [*SMALL, "--serial", "--optimizer", "adam"]
-    mgrit("train", *serial_adam, "--epochs", "2", "--out", str(serial_cpu))
-    mgrit("train", *serial_adam, "--device", "cuda", "--capture", "--out", str(serial))
-    mgrit("train", *serial_adam, "--epochs", "2", "--device", "cpu", "--resume", "--out",
+    assert _losses(gpu) == pytest.approx(_losses(on_the_cpu / "layer-parallel"), rel=1e-4)
+    mgrit("train", *SERIAL_ADAM, "--device", "cuda", "--capture", "--out", str(serial))
+    mgrit("train", *SERIAL_ADAM, "--epochs", "2", "--device", "cpu", "--resume", "--out",
           str(serial))
-    assert _losses(serial) == pytest.approx(_losses(serial_cpu), rel=1e-4)
+    assert _losses(serial) == pytest.approx(_losses(on_the_cpu / "serial"), rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_captured_gpu_run_with_the_controller_resumes_on_the_gpu(tmp_path):
+    """Probes after replays (captured again where the controller changes the solvers),
+    Adam's step counts on the GPU, an evaluation while a graph is held, and the run
+    resumed on the GPU, captured again."""
+    out = tmp_path / "out"
+    adam = [flag for flag in SMALL if flag != "--no-control"] + ["--optimizer", "adam"]
+    mgrit("train", *adam, "--device", "cuda", "--capture", "--out", str(out))
+    mgrit("train", *adam, "--epochs", "2", "--device", "cuda", "--capture", "--resume",
+          "--out", str(out))
+    losses = _losses(out)
+    assert len(losses) == 8 and all(0 < loss < 10 for loss in losses), losses
+    assert [r for r in records(out) if r["type"] == "probe"]
 
 
 @pytest.mark.parametrize("device,caption", [("cpu", "seed 0. "), ("cuda:1", "seed 0, on cuda:1.")])
