@@ -18,7 +18,7 @@
 #              -d .whl mpi4py mpich
 #      (.whl is ignored by git: name it among what travels to the GPU machine).
 #   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s).
-#   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 180 s) with
+#   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 240 s) with
 #      MGRIT_TEST_REQUIRE_GPU=1 and MGRIT_TEST_REQUIRE_ALL=1, so that a GPU test cannot
 #      pass by skipping (the MPI test needs mpiexec: carry the wheels): the CUDA
 #      kernels against their twins, the executors against the loop executor, levels=1
@@ -106,7 +106,7 @@ echo "== pytest -m gpu" | tee -a "$LOG"
 # tests, not every GPU test
 # on the GPU machine a test that would skip (no CUDA device, no mpiexec) fails instead
 [ "${DEVICE:-cuda}" = cuda ] && export MGRIT_TEST_REQUIRE_GPU=1 MGRIT_TEST_REQUIRE_ALL=1
-timeout -k 15 "$(left "${PYTEST_TIMEOUT:-180}")" "$PY" -m pytest -m gpu -q \
+timeout -k 15 "$(left "${PYTEST_TIMEOUT:-240}")" "$PY" -m pytest -m gpu -q \
     -p no:cacheprovider --continue-on-collection-errors -o timeout=120 \
     --junitxml "$OUT/pytest.xml" 2>&1 | tee -a "$LOG"
 pytest_status=${PIPESTATUS[0]}
