@@ -124,3 +124,68 @@ def test_a_checkpoint_of_a_captured_gpu_run_resumes_on_the_cpu(tmp_path):
     torch.save(state, path)
     train(cut, *flags, resume=True)
     assert _losses(cut) == _losses(whole)
+
+
+@pytest.fixture
+def replayed_as_graphs(monkeypatch):
+    """The run's captured steps go through their CUDA stages (warm-up, capture, replays)
+    with the CPU stand-in of tests/emulated_graphs.py, whose replays run the recorded
+    operations alone, as a graph runs its kernels: nothing of the step's Python runs again.
+    Its layers compute with torch's kernels, which the recording sees (mgrit's native ones
+    it would not). Returns the stand-ins made."""
+    from functools import partial
+
+    from emulated_graphs import EmulatedCapture
+    from mgrit.app import models
+
+    made = []
+
+    class Replayed(models.CapturedStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.graphs, self._capturer = True, EmulatedCapture()
+            made.append(self._capturer)
+
+    class ReplayedOneGraph(models.OneGraphStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.graphs, self._capturer = True, EmulatedCapture()
+            made.append(self._capturer)
+
+    monkeypatch.setattr(models, "LayerParallel", partial(models.LayerParallel, kernels="torch"))
+    monkeypatch.setattr(models, "CapturedStep", Replayed)
+    monkeypatch.setattr(models, "OneGraphStep", ReplayedOneGraph)
+    return made
+
+
+@pytest.mark.parametrize("serial", [False, True], ids=["layer-parallel", "serial"])
+def test_a_captured_run_replayed_without_python_gives_the_eager_numbers(
+        tmp_path, replayed_as_graphs, serial):
+    """Two epochs of SGD with momentum (Adam keeps its step count on the host, which only
+    on a GPU it need not), an evaluation and a checkpoint between them; layer-parallel, the
+    controller too, its costs modelled (measured ones would make the two runs decide
+    apart): its first probe moves the solvers to exact stepping, which the captured step
+    captures again, and it probes after replays. What the command does between the steps
+    of a captured run leaves the graph's numbers those of eager training."""
+    flags = ["--serial"] if serial else ["--set", "control.batching=4",
+                                         "--set", "control.every=2"]
+    eager, captured = tmp_path / "eager", tmp_path / "captured"
+    train(eager, *flags)
+    train(captured, *flags, "--capture")
+    capturer, = replayed_as_graphs
+    assert _losses(captured) == _losses(eager)
+    for key in ("test_loss", "train_accuracy"):
+        assert _losses(captured, "epoch", key) == _losses(eager, "epoch", key)
+    if serial:
+        # eager, warm-up, capture; the other five steps replays
+        assert (capturer.warm_ups, capturer.captured, capturer.replays) == (1, 1, 5)
+        return
+    settings = [r["control"]["setting"] for r in records(captured) if r["type"] == "step"]
+    assert settings == ["2/1 L2 m4 FCF"] + ["exact"] * 7
+    probed = [r["step"] for r in records(captured) if r["type"] == "probe"]
+    assert probed == [1, 3, 7] == [r["step"] for r in records(eager) if r["type"] == "probe"]
+    # step 1 eager; from step 2 (exact) again eager, eager under the guard, captured; steps
+    # 5 to 8 replays (the probe of step 7 after one)
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (3, 1, 4)
+    assert (_losses(captured, key="forward_residuals")
+            == _losses(eager, key="forward_residuals"))
