@@ -33,9 +33,9 @@ def _losses(folder, kind="step", key="loss"):
 @pytest.mark.parametrize("serial,optimizer", [(False, "sgd"), (False, "adam"), (True, "adam")],
                          ids=["layer-parallel-sgd", "layer-parallel-adam", "serial-adam"])
 def test_captured_training_gives_the_eager_numbers(tmp_path, serial, optimizer):
-    """Both epochs' losses, accuracies and test losses, and the residual histories read after each
-    step from the device norms; the layer-parallel SGD run also cut after the first epoch
-    and resumed, captured again, as it would have gone on."""
+    """Both epochs' losses, accuracies and test losses, and the residual histories read
+    after each step from the device norms; the layer-parallel SGD run also cut after the
+    first epoch and resumed, captured again, as it would have gone on."""
     flags = ["--no-control", "--optimizer", optimizer] + (["--serial"] if serial else [])
     eager, captured = tmp_path / "eager", tmp_path / "captured"
     train(eager, *flags)
