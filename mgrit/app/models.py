@@ -16,6 +16,7 @@ from ..execute import CudaCapture
 from ..nn import CapturedStep, Controller, LayerParallel, choose_settings, draws, serial_resnet
 from ..nn.engine.atomic import write_atomically
 from ..nn.blocks import ResNetSpec
+from ..nn.capture import keep_static
 from .loop import LossFn, train_step
 from .settings import TRANSFORMERS, ControlSettings, Settings, SettingsError
 
@@ -222,11 +223,8 @@ class OneGraphStep:
         loss = self.loss_fn(out, self.inputs[1])
         loss.backward()
         self.optimizer.step()
-        if self.loss is None:
-            self.loss, self.output = loss.detach().clone(), out.detach().clone()
-        else:
-            self.loss.copy_(loss.detach())
-            self.output.copy_(out.detach())
+        self.loss = keep_static(self.loss, loss)
+        self.output = keep_static(self.output, out)
 
     def step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """One step on (x, y), which have the first batch's shape (the batches of a run

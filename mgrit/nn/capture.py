@@ -163,13 +163,9 @@ class _Captured:
     def _guarded_run(self) -> None:
         """`_run` under the host-read guard; a read is refused naming where it was made. On
         several ranks its messages run as they come, checked as a capture would check
-        them (`mgrit.comm.cuts.Running`). Its backward pass runs on this thread: on CUDA
-        autograd would run it on a device thread of its own, outside the guard (which holds
-        per thread), where a read in the backward of the opening, the closing or the loss
-        would go unseen until the capture failed on it."""
+        them (`mgrit.comm.cuts.Running`)."""
         try:
-            with self.guarded(), self._cutting(), \
-                    torch.autograd.set_multithreading_enabled(False):
+            with self.guarded(), self._cutting():
                 self._run()
         except HostSyncError as err:
             raise CaptureError(
@@ -222,8 +218,14 @@ class _Captured:
 
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
-        """Host reads raise inside (`host_reads_forbidden`), but of `_allowed_reads`."""
-        with host_reads_forbidden(self._allowed_reads()):
+        """Host reads raise inside (`host_reads_forbidden`), but of `_allowed_reads`, and a
+        backward pass runs on this thread: the guard holds per thread, and on CUDA autograd
+        would run the backward (the adjoint solve, the opening's, the closing's, the
+        loss's) on a device thread of its own, where a read would go unseen until the
+        capture failed on it. With multithreading off torch's engine queues every node on
+        the calling thread."""
+        with host_reads_forbidden(self._allowed_reads()), \
+                torch.autograd.set_multithreading_enabled(False):
             yield
 
     def _warm(self, run: Callable[[], None]) -> None:
@@ -391,8 +393,8 @@ class CapturedStep(_Captured):
             raise CaptureError(f"loss_fn must return a scalar tensor, got {got}")
         loss.backward()
         self.optimizer.step()
-        self.loss = _kept(self.loss, loss)
-        self.output = _kept(self.output, out)
+        self.loss = keep_static(self.loss, loss)
+        self.output = keep_static(self.output, out)
         self._keep_history()
 
     def _allowed_reads(self) -> list[Tensor]:
@@ -461,7 +463,7 @@ class CapturedForward(_Captured):
             if not isinstance(out, Tensor):
                 raise CaptureError(f"the model's closing must return a tensor, got "
                                    f"{type(out).__name__}")
-            self.output = _kept(self.output, out)
+            self.output = keep_static(self.output, out)
         self._keep_history()
 
     def _hold(self, captured: bool) -> None:
@@ -470,7 +472,7 @@ class CapturedForward(_Captured):
         self.model._passes.set_captured_no_grad(captured)
 
 
-def _kept(static: Tensor | None, value: Tensor) -> Tensor:
+def keep_static(static: Tensor | None, value: Tensor) -> Tensor:
     """`value` copied into the static tensor that holds it from run to run (made at the
     first run, and again should the shape or dtype change, as only an eager run can)."""
     value = value.detach()
