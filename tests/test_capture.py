@@ -236,31 +236,26 @@ def on_another_thread(work):
         raise failed[0]
 
 
-def test_the_guard_follows_a_guarded_pass_to_the_thread_of_its_adjoint(monkeypatch):
+def test_the_guarded_step_runs_its_adjoint_on_its_own_thread(monkeypatch):
     """On CUDA autograd runs the backward pass on its device thread, outside the guard
-    that the step's thread is in: the adjoint of a pass made inside the guard is guarded
-    there too. Emulated by running backward() on a thread of its own: a read in the
-    adjoint goes through in the eager first step and is refused, named, in the second."""
+    that the step's thread is in: the guarded step runs it with multithreading off, under
+    which torch runs every node on the calling thread, and a read in the adjoint goes
+    through in the eager first step and is refused, named, in the second."""
     model, _ = build("dense", 8, FORWARD, BACKWARD)
     step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data("dense", 4))
     solve_backward = model._solve_backward
+    threads_allowed = []
 
     def reading(grad_out, *args):
+        threads_allowed.append(torch._C._is_multithreading_enabled())
         grad_out.abs().max().item()
         return solve_backward(grad_out, *args)
     monkeypatch.setattr(model, "_solve_backward", reading)
-    backward = torch.Tensor.backward
-    threads = []
-
-    def elsewhere(self, *args, **kwargs):
-        threads.append(threading.get_ident())
-        on_another_thread(lambda: backward(self, *args, **kwargs))
-    monkeypatch.setattr(torch.Tensor, "backward", elsewhere)
     step.step(*data("dense", 4))
     with pytest.raises(CaptureError, match=r"\(Tensor\.item\(\) of a tensor of shape \(\) on "
                                            r"cpu\) in reading at .*test_capture\.py"):
         step.step(*data("dense", 4))
-    assert threads == [threading.get_ident()] * 2
+    assert threads_allowed == [True, False]
 
 
 class _ScaledGradient(torch.autograd.Function):
@@ -285,10 +280,9 @@ class _ClosingReadsInBackward(nn.Linear):
 
 
 def test_a_read_in_the_backward_of_the_closing_is_refused():
-    """On CUDA autograd runs the closing's backward on its device thread, which the
-    adjoint's carried guard does not reach: the guarded step runs its backward pass on its
-    own thread instead (torch runs every node there while multithreading is off), and the
-    read is refused there, naming its line."""
+    """On CUDA autograd runs the closing's backward on its device thread: the guarded step
+    runs its backward pass on its own thread instead (torch runs every node there while
+    multithreading is off), and the read is refused there, naming its line."""
     torch.manual_seed(0)
     model = mgrit.LayerParallel(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh()), 8,
                                 forward=FORWARD, backward=BACKWARD, opening=nn.Linear(5, 8),

@@ -119,41 +119,16 @@ def host_reads_forbidden(allowed: Iterable[Tensor] = ()) -> Iterator[None]:
     `nonzero`, `bool`/`float`/`int`/`index` of a tensor, `to` between host and device) in
     this thread raises `HostSyncError`, except by the communicator and of the tensors in
     `allowed`; other threads read as they like."""
-    with _forbidding(frozenset(id(t) for t in allowed)):
-        yield
-
-
-@contextlib.contextmanager
-def _forbidding(allowed: frozenset[int]) -> Iterator[None]:
     stack = getattr(_local, "allowed", None)
     if stack is None:
         stack = _local.allowed = []
-    stack.append(allowed)
+    stack.append({id(t) for t in allowed})
     _install()
     try:
         yield
     finally:
         _uninstall()
         stack.pop()
-
-
-def guard_here() -> frozenset[int] | None:
-    """The tensors (by id) that this thread's innermost guard allows; None outside any."""
-    stack = getattr(_local, "allowed", None)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def guard_carried(allowed: frozenset[int] | None) -> Iterator[None]:
-    """The guard `guard_here()` returned in another thread (None: none), in force in this
-    one unless it is inside a guard already. On CUDA autograd runs a backward pass on its
-    own device thread, not on the thread that called backward() inside the guard: a
-    forward pass made in a guard carries it to its backward pass this way."""
-    if allowed is None or guard_here() is not None:
-        yield
-        return
-    with _forbidding(allowed):
-        yield
 
 
 def culprit(err: BaseException, model: nn.Module) -> str:

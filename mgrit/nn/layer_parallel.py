@@ -25,7 +25,6 @@ from ..core.config import Config
 from ..core.grid import level0_blocks
 from ..kernels.choice import check_kernels
 from . import checkpoint, clipping, export
-from .capture_guard import guard_carried, guard_here
 from .checks import check_backward_thread, check_inputs, level_grids, partition
 from .defaults import training_config
 from .engine.ghosts import GhostExchange
@@ -52,9 +51,6 @@ class _ODESolve(torch.autograd.Function):
         # autograd runs the backward outside the user's autocast block: the adjoint
         # re-enters the forward pass's state, so that its VJPs linearise the same ops
         ctx.autocast = autocast_state(u0.device.type)
-        # a captured step's guard against host reads, for the adjoint: on CUDA autograd
-        # runs it on a thread of its own, which the guard does not cover by itself
-        ctx.guard = guard_here()
         return out
 
     @staticmethod
@@ -68,7 +64,7 @@ class _ODESolve(torch.autograd.Function):
         model.layers.draw_step = ctx.draw_step
         # dL/du0 only where the opening or the input needs it (the same on every rank,
         # as the graph before the solve is): else its broadcast, a collective, is skipped
-        with reentered(ctx.autocast), guard_carried(ctx.guard):
+        with reentered(ctx.autocast):
             grad_u0, context_grads, grads = model._solve_backward(grad_out,
                                                                   ctx.needs_input_grad[2])
         if model.data_comm is not None:
