@@ -280,6 +280,35 @@ def test_calibrating_leaves_training_as_it_was_and_prices_from_the_measurement()
     assert chosen[0].max_iter == 2 and chosen[1].max_iter == 1
 
 
+def test_probes_time_solves_to_the_devices_end_and_training_steps_do_not(monkeypatch):
+    """On a GPU a solve's launches return before its kernels end: inside `probing` (what
+    calibration and the controller time) the clock waits for the solve's device before and
+    after each solve; a training step's never does, so the host stays ahead of the device.
+    The clock's readings are recorded with whether they wait; a stand-in CUDA tensor shows
+    whom the wait is for."""
+    f, b = training_config("forward", 2, 4), training_config("backward", 2, 4)
+    model, _ = build("dense", 16, f, b)
+    x, y = data("dense", 4)
+    clock, waits = type(model)._clock, []
+    monkeypatch.setattr(type(model), "_clock",
+                        lambda self, t: waits.append(self._timed) or clock(self, t))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert waits == [False] * 4             # forward and adjoint, start and end
+    with model.probing(f, b) as stats:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert waits[4:] == [True] * 4 and stats["forward"]["seconds"] > 0
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert waits[8:] == [False] * 4         # the probe's setting ends with it
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    gpu = type("OnGpu", (), {"is_cuda": True, "device": torch.device("cuda", 1)})()
+    model._timed = True
+    clock(model, gpu), clock(model, x)
+    model._timed = False
+    clock(model, gpu)
+    assert synced == [torch.device("cuda", 1)]
+
+
 def test_bad_calibration_options_are_named():
     model, _ = build("dense", 32)
     x, _ = data("dense", 2)

@@ -181,6 +181,7 @@ class LayerParallel(nn.Module):
         # the options, solvers and ghost exchange of probes (one set, reconfigured when a
         # probe asks for other options)
         self._probe: tuple[tuple, Passes, GhostExchange] | None = None
+        self._timed = False     # inside `probing`: solves are timed to the device's end
         self.stats: dict[str, dict[str, Any]] = {}
 
     # set-up ----------------------------------------------------------------------
@@ -252,17 +253,28 @@ class LayerParallel(nn.Module):
                 ghosts.set_grids(grids["forward"])
             self._probe = (key, passes, ghosts)
         saved = (self._passes, self._ghosts, self.draw_step, self.stats,
-                 self._held_draw_step)
+                 self._held_draw_step, self._timed)
         self._passes, self._ghosts = self._probe[1:]
         self._held_draw_step = max(self.draw_step - 1, 0)
         self.stats = {}
+        self._timed = True
         try:
             yield self.stats
         finally:
             (self._passes, self._ghosts, self.draw_step, self.stats,
-             self._held_draw_step) = saved
+             self._held_draw_step, self._timed) = saved
 
     # the two solves ----------------------------------------------------------------
+    def _clock(self, t: Tensor) -> float:
+        """Seconds on the host clock; inside `probing` on a GPU, after the device has done
+        the work queued so far. A solve's launches return before its kernels end, so the
+        host's time alone is what launching took: the controller's cost model, fed by the
+        probes, wants the solve's whole time. A training step never waits here, so the host
+        can stay ahead of the device (its `stats` "seconds" are the host's time)."""
+        if self._timed and t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        return time.perf_counter()
+
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         if self.training:
             if self._held_draw_step is not None:
@@ -274,9 +286,9 @@ class LayerParallel(nn.Module):
             self._ghosts.refresh()
             # a solver is built at its first use: the solve's time leaves that out
             self._passes.forward_solver(u0, keep, inference=not self.training)
-            start = time.perf_counter()
+            start = self._clock(u0)
             res = self._passes.solve_forward(u0, keep, inference=not self.training)
-            seconds = time.perf_counter() - start
+            seconds = self._clock(u0) - start
         if keep:
             self._forward_token += 1
         # the norm of the given state: what the residuals are relative to
@@ -289,11 +301,12 @@ class LayerParallel(nn.Module):
                         ) -> tuple[Tensor | None, dict[str, Tensor], list[Tensor | None]]:
         with torch.no_grad():
             self._passes.adjoint_solver(grad_out)
-            start = time.perf_counter()
+            start = self._clock(grad_out)
             res, recorded = self._passes.solve_backward(grad_out, grad_u0)
+            seconds = self._clock(grad_out) - start
             self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals,
                                       "initial_norm": self._passes.initial_norm(grad_out),
-                                      "seconds": time.perf_counter() - start}
+                                      "seconds": seconds}
             grads = layer_gradients(self.layers, recorded)
             context = self.layers.context
             context_grads = context_gradients(recorded, context, CONTEXT)
