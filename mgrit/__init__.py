@@ -1,5 +1,8 @@
 """Layer-parallel training of residual networks with multigrid reduction in time."""
 
+# the one place the version is written: pyproject.toml reads it from here
+__version__ = "0.1.0"
+
 from .comm import split_world
 from .core.config import Config
 from .core.cycle import DivergenceError, Result, Solver, solve

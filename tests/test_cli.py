@@ -163,3 +163,19 @@ def test_the_installed_mgrit_command_runs_the_cli():
 
     command, = [e for e in entry_points(group="console_scripts") if e.name == "mgrit"]
     assert command.load() is main
+
+
+def test_the_version_is_the_installed_packages():
+    """`mgrit --version` prints `mgrit.__version__`, the one the installed package's
+    metadata carries (pyproject.toml reads it from the package)."""
+    from importlib import metadata
+
+    import mgrit
+    from needs import missing
+
+    assert _mgrit("--version").stdout.strip() == f"mgrit {mgrit.__version__}"
+    try:
+        installed = metadata.version("mgrit")
+    except metadata.PackageNotFoundError:
+        missing("mgrit is not installed (run from the source tree)")
+    assert installed == mgrit.__version__

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from . import demo
 from .data import TEXTS, DataError
 from .launch import LaunchError
@@ -237,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `mgrit` command's parser (also read by the test that the docs' commands parse)."""
     parser = argparse.ArgumentParser(prog="mgrit", description="Multigrid reduction in time "
                                      "for time stepping and layer-parallel ResNet training.")
+    parser.add_argument("--version", action="version", version=f"mgrit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a ResNet (layer-parallel under mpiexec)")
     add_training_arguments(train)
