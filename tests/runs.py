@@ -19,6 +19,16 @@ def mgrit(*args, ranks=1, check=True, timeout=300):
     return proc
 
 
-def records(folder):
+def all_records(folder):
     lines = (folder / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line]
+
+
+def records(folder):
+    """What the run measured: every record but the launches' (which say where each launch
+    ran, and differ between a resumed run and an uninterrupted one)."""
+    return [r for r in all_records(folder) if r["type"] != "launch"]
+
+
+def launches(folder):
+    return [r for r in all_records(folder) if r["type"] == "launch"]

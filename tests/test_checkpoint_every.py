@@ -1,10 +1,17 @@
 """`--checkpoint-every STEPS`: checkpoints within an epoch, from which a resume continues
-exactly as the uninterrupted run (the same data order, metrics and final weights)."""
+exactly as the uninterrupted run (the same data order, metrics and final weights), each
+launch recorded with the step it started at."""
+
+import json
+import platform
 
 import pytest
 import torch
 
-from runs import mgrit, records
+import mgrit as package
+from mgrit.app.resuming import truncate_metrics
+
+from runs import launches, mgrit, records
 
 TINY = ["--steps", "8", "--width", "8", "--no-progress",
         "--set", "forward.levels=2", "--set", "backward.levels=2",
@@ -38,9 +45,40 @@ def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks, serial):
     assert _without_times(split) == _without_times(whole)
     steps = [r["step"] for r in records(split) if r["type"] == "step"]
     assert steps == list(range(1, 17))
+    # the first launch trained steps 1 to 14 (the rest were cut with its later records),
+    # the resumed one 15 and 16
+    started = [(r["epoch"], r["step"], r["resumed"]) for r in launches(split)]
+    assert started == [(1, 1, False), (2, 15, True)]
+    for launch in launches(split):
+        assert (launch["mgrit"], launch["torch"], launch["ranks"]) == (
+            package.__version__, torch.__version__, ranks)
+        assert launch["hosts"] == [platform.node()] and launch["devices"] == ["cpu"]
+        assert launch["python"] == platform.python_version() and launch["mpi"]
     a = torch.load(whole / "model.pt", weights_only=False).state_dict()
     b = torch.load(split / "model.pt", weights_only=False).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_keeps_the_launches_that_trained_what_it_keeps(tmp_path):
+    """Cut back to a checkpoint, metrics keep a launch's record if the checkpoint holds a
+    step it trained: the launches of earlier epochs, and of the checkpoint's epoch one that
+    started at or before its step; a launch that started later trained nothing kept."""
+    # four steps an epoch; launched at step 1, again at 7 (resumed within epoch 2), at 9
+    # (the start of epoch 3) and at 11
+    written = []
+    for n in range(1, 13):
+        if n in (1, 7, 9, 11):
+            written.append({"type": "launch", "epoch": 1 + (n - 1) // 4, "step": n})
+        written.append({"type": "step", "epoch": 1 + (n - 1) // 4, "step": n})
+    path = tmp_path / "metrics.jsonl"
+    for epochs_done, last_step, kept in ((2, 10, [1, 7, 9]), (2, None, [1, 7]), (1, 6, [1]),
+                                         (1, 7, [1, 7]), (2, 11, [1, 7, 9, 11])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in written))
+        truncate_metrics(path, epochs_done, last_step)
+        left = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [r["step"] for r in left if r["type"] == "launch"] == kept
+        assert [r["step"] for r in left if r["type"] == "step"] == list(
+            range(1, (last_step or 4 * epochs_done) + 1))
 
 
 def test_checkpoints_within_epochs_without_checkpoints_are_refused(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from mgrit.app.devices import rank_device
 from mgrit.app.settings import SettingsError, load, resumed
 
-from runs import mgrit, records
+from runs import launches, mgrit, records
 
 # a dense network small enough for seconds, with fixed solvers (the controller's choices
 # follow timings, which differ between devices), on generated data (the GPU machine's
@@ -105,6 +105,25 @@ def test_a_missing_gpu_is_refused_by_all_ranks_at_once(tmp_path):
     assert not out.exists()
 
 
+def test_a_launch_names_the_devices_and_hosts_of_its_ranks(monkeypatch):
+    """A run's launch record names each distinct device (a GPU with its model) and host
+    of its ranks, gathered from all of them; stand-ins for the GPU and the other rank."""
+    from mgrit.app.records import launch_record
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"Model of {device}")
+    here = launch_record(None, torch.device("cuda", 1), 2, 9, True)
+    gathered = []
+    world = SimpleNamespace(allgather=lambda mine: gathered.append(mine) or [
+        mine, ("node-b", "cuda:0 (Model of cuda:0)"), mine])
+    three = launch_record(world, torch.device("cuda", 1), 2, 9, True)
+    assert gathered == [(here["hosts"][0], "cuda:1 (Model of cuda:1)")]
+    assert (here["type"], here["epoch"], here["step"], here["resumed"]) == (
+        "launch", 2, 9, True)
+    assert here["devices"] == ["cuda:1 (Model of cuda:1)"] and here["ranks"] == 1
+    assert three["ranks"] == 3 and three["hosts"] == sorted({here["hosts"][0], "node-b"})
+    assert three["devices"] == ["cuda:0 (Model of cuda:0)", "cuda:1 (Model of cuda:1)"]
+
+
 def _losses(folder):
     return [r["loss"] for r in records(folder) if r["type"] == "step"]
 
@@ -152,6 +171,9 @@ def test_gpu_checkpoints_resume_on_the_cpu(tmp_path, on_the_cpu):
     assert {p.device.type for p in exported.parameters()} == {"cpu"}
     mgrit("train", *SMALL, "--epochs", "2", "--device", "cpu", "--resume", "--out", str(gpu))
     assert _losses(gpu) == pytest.approx(_losses(on_the_cpu / "layer-parallel"), rel=1e-4)
+    # each launch says where it ran
+    assert [launch["devices"] for launch in launches(gpu)] == [
+        [f"cuda:0 ({torch.cuda.get_device_name(0)})"], ["cpu"]]
     mgrit("train", *SERIAL_ADAM, "--device", "cuda", "--capture", "--out", str(serial))
     mgrit("train", *SERIAL_ADAM, "--epochs", "2", "--device", "cpu", "--resume", "--out",
           str(serial))

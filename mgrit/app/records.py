@@ -3,9 +3,40 @@ the fields of the progress line."""
 
 from __future__ import annotations
 
+import platform
+import sys
 from typing import Any
 
+import torch
+
+from .. import __version__
+
 CONTROL_FIELDS = ("setting", "forward_cycles", "backward_cycles", "levels", "estimate")
+
+
+def launch_record(world: Any, device: torch.device, epoch: int, step: int,
+                  resumed: bool) -> dict[str, Any]:
+    """The metrics record of one launch of a run (its start, and each `--resume`): the
+    epoch and the training step (counted over all epochs) it starts at, and what it ran on
+    and with: versions of mgrit, torch, Python and the MPI library, the ranks, the hosts and
+    the devices. A run continued on another machine, device or version says so in its
+    metrics. Collective over `world` (an mpi4py communicator, or None)."""
+    here = (platform.node(), _device_name(device))
+    seen = world.allgather(here) if world is not None else [here]
+    # the MPI library of a launch under mpiexec; a one-process run leaves MPI unloaded
+    mpi = sys.modules.get("mpi4py.MPI")
+    return {"type": "launch", "epoch": epoch, "step": step, "resumed": resumed,
+            "mgrit": __version__, "torch": torch.__version__,
+            "python": platform.python_version(),
+            "mpi": " ".join(mpi.Get_library_version().split("\n")[0].split()) if mpi else None,
+            "ranks": len(seen), "hosts": sorted({h for h, _ in seen}),
+            "devices": sorted({d for _, d in seen}), "threads": torch.get_num_threads()}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def probe_record(epoch: int, step: int, control: dict[str, Any]) -> dict[str, Any]:

@@ -74,8 +74,10 @@ def resume_notice(folder: Path, epochs_done: int, partial: dict[str, Any] | None
 def truncate_metrics(path: Path, epochs_done: int, last_step: int | None) -> None:
     """Keep the metrics of what the checkpoint holds: the epochs up to `epochs_done` and,
     of a checkpoint within the next epoch, its step and probe records up to the training
-    step numbered `last_step`. A last line cut short (the run was killed while writing it)
-    is dropped; any other unreadable line is an error naming the file and line."""
+    step numbered `last_step`, and the records of the launches that trained them (a launch
+    record holds the step it started at). A last line cut short (the run was killed while
+    writing it) is dropped; any other unreadable line is an error naming the file and
+    line."""
     if not path.exists():
         return
     lines = path.read_text().splitlines()
@@ -91,7 +93,7 @@ def truncate_metrics(path: Path, epochs_done: int, last_step: int | None) -> Non
             raise SettingsError(f"--resume: {path} line {number} is not a JSON record "
                                 f"({err}); the file is corrupt") from None
         if record.get("epoch", 0) <= epochs_done or (
-                last_step is not None and record.get("type") in ("step", "probe")
+                last_step is not None and record.get("type") in ("step", "probe", "launch")
                 and record.get("step", 0) <= last_step):
             kept.append(line)
     write_atomically(path, lambda f: f.write("".join(s + "\n" for s in kept).encode()))

@@ -27,7 +27,7 @@ from .models import build_model
 from .network import is_language_model, make_optimizer, network_for, restore_capturable
 from .outputs import intact_hint, latest_checkpoint, prepare_output, publish_checkpoint
 from .progress import Progress
-from .records import probe_record, step_fields, step_record
+from .records import launch_record, probe_record, step_fields, step_record
 from .resuming import checkpoint_name, data_parallel_refusal, not_written, resume_notice, \
     truncate_metrics
 from .settings import Settings, SettingsError, check, plain_options
@@ -264,9 +264,15 @@ class Run:
         # a new run starts its own metrics; a resumed one continues them (cut back to the
         # checkpoint's epoch when it was loaded)
         mode = "a" if self.resuming else "w"
+        first = ((self.start_epoch - 1) * self.steps_per_epoch
+                 + (self.partial["step"] if self.partial is not None else 0) + 1)
+        launch = launch_record(self.world, self.device, self.start_epoch, first,
+                               self.resuming)
         metrics = AppendedFile(self.out / "metrics.jsonl", mode) if self.rank == 0 else None
-        if metrics is not None and self.choice is not None:
-            metrics.write(json.dumps(self.choice) + "\n")
+        if metrics is not None:
+            if self.choice is not None:
+                metrics.write(json.dumps(self.choice) + "\n")
+            metrics.write(json.dumps(launch) + "\n")
         summary: dict[str, Any] = {}
         try:
             for epoch in range(self.start_epoch, t.epochs + 1):
