@@ -1,6 +1,6 @@
 """What a wheel installs: every package folder of the source tree is in pyproject.toml's
 package list (it is a list, since the CUDA sources install from the top-level cuda/ folder
-as the data package mgrit.cuda), and the kernels' build recipes read the sources that the
+as the data package mgrit.cuda; the C sources are the data package mgrit.kernels.csrc), and the kernels' build recipes read the sources that the
 package data names."""
 
 import fnmatch
@@ -28,7 +28,8 @@ def test_every_package_folder_is_listed():
              for top in ("mgrit", "benchmarks") for init in (ROOT / top).rglob("__init__.py")}
     listed = set(CONFIG["packages"])
     assert found - listed == set(), "add these to [tool.setuptools] packages"
-    assert listed - found == {"mgrit.cuda"}     # data only, no __init__.py
+    # data only, no __init__.py (listed, so that setuptools installs them as packages)
+    assert listed - found == {"mgrit.cuda", "mgrit.kernels.csrc"}
     assert all(_folder(p).is_dir() for p in listed)
 
 
