@@ -259,6 +259,9 @@ def test_compare_writes_figures_table_and_json(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["runs"]) == {"serial", "layer-parallel"}
     assert summary["runs"]["layer-parallel"]["ranks"] == 2
+    # each run's one launch, on its own ranks
+    assert [[launch["ranks"] for launch in summary["runs"][label]["launches"]]
+            for label in ("serial", "layer-parallel")] == [[1], [2]]
     for name in summary["figures"] + ["convergence.png"]:
         png = (out / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name

@@ -86,7 +86,9 @@ def summarize(folders: dict[str, Path], ranks: int) -> dict[str, Any]:
                        "epochs": len(epochs), "test_accuracy": last["test_accuracy"],
                        "test_loss": last["test_loss"], "train_loss": last["train_loss"],
                        "seconds_per_step": sum(e["seconds_per_step"] for e in epochs) / len(epochs),
-                       "train_seconds": sum(e["seconds"] for e in epochs)}
+                       "train_seconds": sum(e["seconds"] for e in epochs),
+                       # where it ran: versions, hosts, devices
+                       "launches": plot.read_records(folder, "launch")}
     serial = rows["serial"]
     for row in rows.values():
         row["accuracy_difference_pp"] = (row["test_accuracy"] - serial["test_accuracy"]) * 100

@@ -26,11 +26,16 @@ def read_metrics(folder: str | Path) -> tuple[list[dict], list[dict]]:
             [r for r in records if r["type"] == "epoch"])
 
 
-def read_probes(folder: str | Path) -> list[dict]:
-    """The probe records of a run's metrics.jsonl (none without a controller)."""
+def read_records(folder: str | Path, kind: str) -> list[dict]:
+    """The records of type `kind` of a run's metrics.jsonl."""
     return [r for r in (json.loads(line) for line in
                         (Path(folder) / "metrics.jsonl").read_text().splitlines()
-                        if line.strip()) if r["type"] == "probe"]
+                        if line.strip()) if r["type"] == kind]
+
+
+def read_probes(folder: str | Path) -> list[dict]:
+    """The probe records of a run's metrics.jsonl (none without a controller)."""
+    return read_records(folder, "probe")
 
 
 def control_curves(steps: list[dict], probes: list[dict], threshold: float | None,
