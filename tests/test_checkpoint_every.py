@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mgrit as package
+from mgrit.app.records import source_commit
 from mgrit.app.resuming import truncate_metrics
 
 from runs import launches, mgrit, records
@@ -54,6 +55,7 @@ def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks, serial):
             package.__version__, torch.__version__, ranks)
         assert launch["hosts"] == [platform.node()] and launch["devices"] == ["cpu"]
         assert launch["python"] == platform.python_version() and launch["mpi"]
+        assert launch["source"] == source_commit()     # the commit of this checkout
     a = torch.load(whole / "model.pt", weights_only=False).state_dict()
     b = torch.load(split / "model.pt", weights_only=False).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

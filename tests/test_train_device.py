@@ -113,8 +113,8 @@ def test_a_launch_names_the_devices_and_hosts_of_its_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"Model of {device}")
     here = launch_record(None, torch.device("cuda", 1), 2, 9, True)
     gathered = []
-    world = SimpleNamespace(allgather=lambda mine: gathered.append(mine) or [
-        mine, ("node-b", "cuda:0 (Model of cuda:0)"), mine])
+    world = SimpleNamespace(Get_rank=lambda: 1, allgather=lambda mine: gathered.append(mine)
+                            or [("node-b", "cuda:0 (Model of cuda:0)"), mine, mine])
     three = launch_record(world, torch.device("cuda", 1), 2, 9, True)
     assert gathered == [(here["hosts"][0], "cuda:1 (Model of cuda:1)")]
     assert (here["type"], here["epoch"], here["step"], here["resumed"]) == (
@@ -122,6 +122,33 @@ def test_a_launch_names_the_devices_and_hosts_of_its_ranks(monkeypatch):
     assert here["devices"] == ["cuda:1 (Model of cuda:1)"] and here["ranks"] == 1
     assert three["ranks"] == 3 and three["hosts"] == sorted({here["hosts"][0], "node-b"})
     assert three["devices"] == ["cuda:0 (Model of cuda:0)", "cuda:1 (Model of cuda:1)"]
+    # rank 0 writes the record: only it asks git for the source's commit
+    assert three["source"] is None
+
+
+def test_a_launch_from_a_git_checkout_names_its_commit(tmp_path):
+    """The commit a run's code comes from, "+changes" once a tracked file differs from
+    it (a new untracked file does not count); an installed package, outside any checkout,
+    has none. A repository made here stands in for the source tree."""
+    import subprocess
+
+    from mgrit.app.records import source_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    assert source_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "step.py").write_text("h = 0.1\n")
+    git("add", "step.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short=12", "HEAD")
+    assert source_commit(tmp_path) == head and len(head) == 12
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "step.py").write_text("h = 0.2\n")
+    assert source_commit(tmp_path) == head + "+changes"
 
 
 def _losses(folder):

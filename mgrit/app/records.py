@@ -4,7 +4,9 @@ the fields of the progress line."""
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,8 @@ import torch
 from .. import __version__
 
 CONTROL_FIELDS = ("setting", "forward_cycles", "backward_cycles", "levels", "estimate")
+# the folder above the package: a git work tree when mgrit runs from a checkout
+SOURCE = Path(__file__).resolve().parents[2]
 
 
 def launch_record(world: Any, device: torch.device, epoch: int, step: int,
@@ -19,18 +23,41 @@ def launch_record(world: Any, device: torch.device, epoch: int, step: int,
     """The metrics record of one launch of a run (its start, and each `--resume`): the
     epoch and the training step (counted over all epochs) it starts at, and what it ran on
     and with: versions of mgrit, torch, Python and the MPI library, the ranks, the hosts and
-    the devices. A run continued on another machine, device or version says so in its
-    metrics. Collective over `world` (an mpi4py communicator, or None)."""
+    the devices; run from a git checkout, its commit (`source_commit`). A run continued on
+    another machine, device or version says so in its metrics. Collective over `world` (an
+    mpi4py communicator, or None); the record is rank 0's."""
     here = (platform.node(), _device_name(device))
     seen = world.allgather(here) if world is not None else [here]
+    rank = world.Get_rank() if world is not None else 0
     # the MPI library of a launch under mpiexec; a one-process run leaves MPI unloaded
     mpi = sys.modules.get("mpi4py.MPI")
     return {"type": "launch", "epoch": epoch, "step": step, "resumed": resumed,
-            "mgrit": __version__, "torch": torch.__version__,
+            "mgrit": __version__, "source": source_commit() if rank == 0 else None,
+            "torch": torch.__version__,
             "python": platform.python_version(),
             "mpi": " ".join(mpi.Get_library_version().split("\n")[0].split()) if mpi else None,
             "ranks": len(seen), "hosts": sorted({h for h, _ in seen}),
             "devices": sorted({d for _, d in seen}), "threads": torch.get_num_threads()}
+
+
+def source_commit(root: Path = SOURCE) -> str | None:
+    """The commit of the git checkout at `root` that mgrit runs from (abbreviated), with
+    "+changes" when tracked files differ from it; None for an installed package, or where
+    git cannot say. Between releases the version alone does not name the code."""
+    if not (root / ".git").exists():
+        return None
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=20)
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0 or status.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
 
 
 def _device_name(device: torch.device) -> str:
