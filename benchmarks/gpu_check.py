@@ -509,7 +509,11 @@ def table(data: dict[str, Any]) -> str:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
+    from mgrit import __version__
+    from mgrit.app.records import source_commit
+
+    env = {"mgrit": __version__, "source": source_commit(),
+           "python": platform.python_version(), "torch": torch.__version__,
            "torch_cuda": torch.version.cuda, "device": device.type, "cpus": os.cpu_count(),
            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     if device.type == "cuda":

@@ -27,6 +27,12 @@ def test_dry_run_times_or_explains_every_method(tmp_path):
 
     proc, data = _run(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    import mgrit
+    from mgrit.app.records import source_commit
+
+    # the record says which code made it
+    assert (data["environment"]["mgrit"], data["environment"]["source"]) == (
+        mgrit.__version__, source_commit())
     rows = {(r["workload"], r["method"], r["metric"]): r
             for r in data["speed"] + data["unmeasured"]}
     expected = {(w, m.name, metric) for w in gpu_check.WORKLOADS for m in gpu_check.METHODS
