@@ -510,7 +510,7 @@ def table(data: dict[str, Any]) -> str:
 
 def environment(device: torch.device) -> dict[str, Any]:
     from mgrit import __version__
-    from mgrit.app.records import source_commit
+    from mgrit.app.environment import source_commit
 
     env = {"mgrit": __version__, "source": source_commit(),
            "python": platform.python_version(), "torch": torch.__version__,

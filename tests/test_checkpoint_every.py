@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mgrit as package
-from mgrit.app.records import source_commit
+from mgrit.app.environment import source_commit
 from mgrit.app.resuming import truncate_metrics
 
 from runs import launches, mgrit, records

@@ -28,7 +28,7 @@ def test_dry_run_times_or_explains_every_method(tmp_path):
     proc, data = _run(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import mgrit
-    from mgrit.app.records import source_commit
+    from mgrit.app.environment import source_commit
 
     # the record says which code made it
     assert (data["environment"]["mgrit"], data["environment"]["source"]) == (

@@ -132,7 +132,7 @@ def test_a_launch_from_a_git_checkout_names_its_commit(tmp_path):
     has none. A repository made here stands in for the source tree."""
     import subprocess
 
-    from mgrit.app.records import source_commit
+    from mgrit.app.environment import source_commit
 
     def git(*args):
         return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from . import demo
+from . import demo, environment
 from .data import TEXTS, DataError
 from .launch import LaunchError
 from . import interrupts
@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "research tools, `benchmarks/`)", add_help=False)
     bench.add_argument("arguments", nargs=argparse.REMAINDER)
     demo.add_arguments(sub.add_parser("demo", help="parallel-in-time heat equation solve"))
+    environment.add_arguments(sub.add_parser(
+        "env", help="what mgrit finds here: versions, GPUs, MPI, whether its kernels build"))
     rep = sub.add_parser("replay", help="replay a trace recorded by `mgrit train --trace K` "
                          "on a modelled network: predicted time per step")
     rep.add_argument("trace", help="trace file (OUT/trace.json)")
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     handlers = {"train": run_train, "compare": run_compare, "bench": run_bench,
-                "demo": demo.run, "replay": run_replay}
+                "demo": demo.run, "replay": run_replay, "env": environment.run}
     try:
         return handlers[args.command](args)
     except (SettingsError, DataError) as err:

@@ -4,18 +4,15 @@ the fields of the progress line."""
 from __future__ import annotations
 
 import platform
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import __version__
+from .environment import mpi_library, source_commit
 
 CONTROL_FIELDS = ("setting", "forward_cycles", "backward_cycles", "levels", "estimate")
-# the folder above the package: a git work tree when mgrit runs from a checkout
-SOURCE = Path(__file__).resolve().parents[2]
 
 
 def launch_record(world: Any, device: torch.device, epoch: int, step: int,
@@ -35,29 +32,9 @@ def launch_record(world: Any, device: torch.device, epoch: int, step: int,
             "mgrit": __version__, "source": source_commit() if rank == 0 else None,
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "mpi": " ".join(mpi.Get_library_version().split("\n")[0].split()) if mpi else None,
+            "mpi": mpi_library(mpi) if mpi else None,
             "ranks": len(seen), "hosts": sorted({h for h, _ in seen}),
             "devices": sorted({d for _, d in seen}), "threads": torch.get_num_threads()}
-
-
-def source_commit(root: Path = SOURCE) -> str | None:
-    """The commit of the git checkout at `root` that mgrit runs from (abbreviated), with
-    "+changes" when tracked files differ from it; None for an installed package, or where
-    git cannot say. Between releases the version alone does not name the code."""
-    if not (root / ".git").exists():
-        return None
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=20)
-
-    try:
-        head = git("rev-parse", "--short=12", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0 or status.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
 
 
 def _device_name(device: torch.device) -> str:
