@@ -17,7 +17,9 @@
 #              --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
 #              -d .whl mpi4py mpich
 #      (.whl is ignored by git: name it among what travels to the GPU machine).
-#   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s).
+#   2. python -m mgrit.kernels.build cuda (BUILD_TIMEOUT, 120 s); then `mgrit env --json`
+#      (at most 60 s; its status fails nothing) records what mgrit itself finds, the built
+#      kernels included, in $OUT/env.json.
 #   3. Correctness: python -m pytest -m gpu (PYTEST_TIMEOUT, 240 s) with
 #      MGRIT_TEST_REQUIRE_GPU=1 and MGRIT_TEST_REQUIRE_ALL=1, so that a GPU test cannot
 #      pass by skipping (the MPI test needs mpiexec: carry the wheels): the CUDA
@@ -100,6 +102,8 @@ left() {  # seconds of the TOTAL budget still unspent, at most $1
 echo "== build" | tee -a "$LOG"
 timeout -k 15 "$(left "${BUILD_TIMEOUT:-120}")" "$PY" -m mgrit.kernels.build cuda 2>&1 | tee -a "$LOG"
 build_status=${PIPESTATUS[0]}
+timeout -k 5 "$(left 60)" "$PY" -m mgrit env --json >"$OUT/env.json" 2>>"$LOG" \
+    || echo "mgrit env: exit $? (see $OUT/env.json)" | tee -a "$LOG"
 
 echo "== pytest -m gpu" | tee -a "$LOG"
 # --continue-on-collection-errors: a test module that cannot be imported here costs its own
