@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mgrit.app.environment import source_commit
 from mgrit.core.config import Config
 from mgrit.nn.defaults import training_options
 
@@ -213,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
           f"sequential stepping's after {WARMUP_STEPS} training steps")
     print(table(records))
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+        commit = source_commit()
         with open(args.json, "w") as f:
             json.dump({"command": "python -m benchmarks.settings " + " ".join(sys.argv[1:] if argv is None else argv),
                        "commit": commit, "torch": torch.__version__, "records": records}, f,
