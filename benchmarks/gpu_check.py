@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -509,13 +508,10 @@ def table(data: dict[str, Any]) -> str:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    from mgrit import __version__
-    from mgrit.app.environment import source_commit
+    from mgrit.app.environment import versions
 
-    env = {"mgrit": __version__, "source": source_commit(),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "torch_cuda": torch.version.cuda, "device": device.type, "cpus": os.cpu_count(),
-           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    env = {**versions(), "torch_cuda": torch.version.cuda, "device": device.type,
+           "cpus": os.cpu_count(), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["capability"] = list(torch.cuda.get_device_capability(device))

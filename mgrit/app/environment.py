@@ -40,6 +40,17 @@ def source_commit(root: Path = SOURCE) -> str | None:
     return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
 
 
+def versions(source: bool = True) -> dict[str, Any]:
+    """mgrit's version and (with `source`) the commit it runs from, Python's and torch's:
+    what every record of where something ran starts with."""
+    import torch
+
+    from .. import __version__
+
+    return {"mgrit": __version__, "source": source_commit() if source else None,
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
 def mpi_library(mpi: ModuleType) -> str:
     """The first line of the MPI library's version (mpi4py's `MPI` module), spaces
     collapsed: "MPICH Version: 5.0.2", "Open MPI v5.0.3, ..."."""
@@ -82,15 +93,13 @@ def describe(launch: bool = False) -> dict[str, Any]:
     `launch_check`."""
     import torch
 
-    from .. import __version__
     from ..kernels import cuda, native
     from .launch import find_mpiexec
 
     out: dict[str, Any] = {
-        "mgrit": __version__, "source": source_commit(),
-        "python": platform.python_version(), "executable": sys.executable,
+        **versions(), "executable": sys.executable,
         "platform": platform.platform(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
         "torch_cuda": torch.version.cuda,
         "cuda_devices": [torch.cuda.get_device_name(i)
                          for i in range(torch.cuda.device_count())]

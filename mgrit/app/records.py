@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
-from .environment import mpi_library, source_commit
+from .environment import mpi_library, versions
 
 CONTROL_FIELDS = ("setting", "forward_cycles", "backward_cycles", "levels", "estimate")
 
@@ -20,7 +19,7 @@ def launch_record(world: Any, device: torch.device, epoch: int, step: int,
     """The metrics record of one launch of a run (its start, and each `--resume`): the
     epoch and the training step (counted over all epochs) it starts at, and what it ran on
     and with: versions of mgrit, torch, Python and the MPI library, the ranks, the hosts and
-    the devices; run from a git checkout, its commit (`source_commit`). A run continued on
+    the devices; run from a git checkout, its commit (`versions`). A run continued on
     another machine, device or version says so in its metrics. Collective over `world` (an
     mpi4py communicator, or None); the record is rank 0's."""
     here = (platform.node(), _device_name(device))
@@ -29,10 +28,8 @@ def launch_record(world: Any, device: torch.device, epoch: int, step: int,
     # the MPI library of a launch under mpiexec; a one-process run leaves MPI unloaded
     mpi = sys.modules.get("mpi4py.MPI")
     return {"type": "launch", "epoch": epoch, "step": step, "resumed": resumed,
-            "mgrit": __version__, "source": source_commit() if rank == 0 else None,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "mpi": mpi_library(mpi) if mpi else None,
+            # only rank 0 asks git: its record is the one written
+            **versions(source=rank == 0), "mpi": mpi_library(mpi) if mpi else None,
             "ranks": len(seen), "hosts": sorted({h for h, _ in seen}),
             "devices": sorted({d for _, d in seen}), "threads": torch.get_num_threads()}
 
