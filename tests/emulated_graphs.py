@@ -20,12 +20,15 @@ Unlike a CUDA graph, capturing here runs the work, so the replay right after a c
 each stretch between two messages is a graph of its own, the messages are host steps (their
 own operations are not recorded), and the result is a `mgrit.execute.graphs.Segmented`. Work that does not go through torch's
 dispatcher (mgrit's native C kernels, called with pointers) is not recorded: use models with
-`kernels="torch"`.
+`kernels="torch"`. Inside `step_counts_on_the_device`, torch's Adam keeps its step counts
+on the CPU's tensors as it does on a GPU (capturable=True), for replays of its update.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import importlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -137,3 +140,18 @@ class EmulatedCapture:
         if self.programs:
             return sum(p.replays for p in self.programs)
         return sum(g.replays for g in self.graphs)
+
+
+@contextlib.contextmanager
+def step_counts_on_the_device() -> Iterator[None]:
+    """torch's Adam keeps its step counts on the parameters' device (capturable=True) only
+    on devices that capture graphs, and refuses that on a CPU; inside, it accepts the CPU,
+    so that emulated replays run the update a GPU's graph runs: step counts and bias
+    corrections as tensors, with no host read."""
+    adam = importlib.import_module("torch.optim.adam")
+    supported = adam._get_capturable_supported_devices
+    adam._get_capturable_supported_devices = lambda *a, **k: [*supported(*a, **k), "cpu"]
+    try:
+        yield
+    finally:
+        adam._get_capturable_supported_devices = supported

@@ -179,11 +179,13 @@ def loss_fn(out, y):
 
 
 def optimizer(name: str, model):
-    """SGD with momentum ("sgd") or Adam (anything else): optimizers with and without state
-    that depends on the step count."""
+    """SGD with momentum ("sgd"), Adam with its step counts on the device as a CUDA graph
+    needs them ("device adam", capturable=True: on a CPU only under
+    `emulated_graphs.step_counts_on_the_device`) or Adam (anything else): optimizers with
+    and without state that depends on the step count."""
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.Adam(model.parameters(), lr=0.01, capturable=name == "device adam")
 
 
 def train_eagerly(model, opt, loss, pairs, before=None, after=None):

@@ -20,7 +20,7 @@ from mgrit.comm.virtual import run_ranks
 from mgrit.execute.graphs import Segmented, capture_between
 from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
-from emulated_graphs import EmulatedCapture, EmulatedGraph
+from emulated_graphs import EmulatedCapture, EmulatedGraph, step_counts_on_the_device
 from nets import CLASSES, WIDTH, build, data, loss_fn, optimizer, train_eagerly
 from test_capture import (BACKWARD, FORWARD, WARM, batches, eager_run, on_another_thread,
                           stand_in, transformer_case)
@@ -35,11 +35,11 @@ CONFIGS = {"zero": (FORWARD, BACKWARD), "warm": (WARM, WARM), "no cycle": (NESTE
            "gathered": (GATHERED, GATHERED), "gathered, warm": (GATHERED_WARM, GATHERED_WARM)}
 
 
-def replayed_steps(kind, configs, comm, steps=6):
+def replayed_steps(kind, configs, comm, steps=6, opt="sgd"):
     """Losses, parameters, histories and the capturer of `steps` captured steps whose
     graphs are emulated."""
     model, _ = build(kind, 8, *configs, comm=comm, kernels="torch")
-    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data(kind, 4))
+    step = CapturedStep(model, loss_fn, optimizer(opt, model), *data(kind, 4))
     capturer = stand_in(step, EmulatedCapture())
     losses, histories = [], []
     for x, y in batches(kind, steps):
@@ -65,6 +65,22 @@ def test_steps_replayed_between_messages_give_the_eager_steps_numbers(ranks, kin
                 (capturer.warm_ups, capturer.captured, capturer.replays),
                 program.graphs > 0 and program.host_steps > 0)
     assert run_ranks(ranks, program) == [(True, True, True, (2, 1, 3), True)] * ranks
+
+
+@pytest.mark.parametrize("configs", ["zero", "gathered, warm"])
+def test_adam_with_its_step_counts_on_the_device_replays_between_messages(configs):
+    """Adam as a captured run on a GPU builds it (capturable=True), on 2 virtual ranks: six
+    steps, the last three replays, every rank's losses, histories and parameters those of
+    eager steps with the same optimizer, bit for bit."""
+    def program(comm):
+        eager = eager_run("dense", "device adam", *CONFIGS[configs], 6, kernels="torch",
+                          comm=comm)
+        losses, params, histories, capturer = replayed_steps("dense", CONFIGS[configs], comm,
+                                                             opt="device adam")
+        return (losses == eager[0], histories == eager[2],
+                all(torch.equal(a, b) for a, b in zip(params, eager[1])), capturer.replays)
+    with step_counts_on_the_device():
+        assert run_ranks(2, program) == [(True, True, True, 3)] * 2
 
 
 def test_a_transformer_stack_replays_between_messages_with_the_eager_numbers():

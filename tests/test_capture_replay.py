@@ -14,7 +14,7 @@ from torch import nn
 import mgrit
 from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
-from emulated_graphs import EmulatedCapture
+from emulated_graphs import EmulatedCapture, step_counts_on_the_device
 from nets import build, data, loss_fn, optimizer, train_eagerly
 from test_capture import (BACKWARD, FORWARD, STEADY, WARM, batches, eager_run, probed_error,
                           stand_in, transformer_case)
@@ -89,6 +89,28 @@ def test_a_step_count_kept_on_the_host_cannot_be_captured():
     with pytest.raises(CaptureError, match="capturing the training step failed.*"
                                            "_local_scalar_dense"):
         step.step(*pairs[2])
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_adam_with_its_step_counts_on_the_device_replays_the_eager_steps_numbers(kind):
+    """Adam as a captured run on a GPU builds it (capturable=True: step counts and bias
+    corrections on the device): six steps, the last three replays of the recorded update,
+    losses, residual histories and parameters bit for bit those of eager steps with the
+    same optimizer, and the step counts moved by the replays."""
+    with step_counts_on_the_device():
+        losses, params, histories = eager_run(kind, "device adam", FORWARD, BACKWARD, 6,
+                                              kernels="torch")
+        model, _ = build(kind, 8, FORWARD, BACKWARD, kernels="torch")
+        opt = optimizer("device adam", model)
+        step = CapturedStep(model, loss_fn, opt, *data(kind, 4))
+        capturer = emulated(step)
+        for k, (x, y) in enumerate(batches(kind, 6)):
+            assert step.step(x, y).item() == losses[k]
+            assert step.stats()["forward"]["residuals"] == histories[k]["forward"]
+            assert step.stats()["backward"]["residuals"] == histories[k]["backward"]
+    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (2, 1, 3)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert {state["step"].item() for state in opt.state.values()} == {6.0}
 
 
 @pytest.mark.parametrize("mode", ["training", "evaluation"])
