@@ -35,17 +35,25 @@ NESTED = mgrit.Config(levels=2, coarsening=4, relax="F", tol=0.0, max_iter=0, mi
 def test_replays_without_python_give_the_eager_steps_numbers(kind, configs):
     """Six SGD-momentum steps, the last three replays: losses, residual histories and
     parameters bit for bit; a warm start carries on through the replays."""
-    losses, params, histories = eager_run(kind, "sgd", *configs, 6, kernels="torch")
+    capturer, _ = six_steps_as_eager(kind, configs, "sgd")
+    assert len(capturer.graphs[0].ops) > 100
+
+
+def six_steps_as_eager(kind, configs, opt_name):
+    """Six captured steps, the last three replays, checked against eager steps: losses,
+    residual histories and parameters bit for bit; the capturer and the optimizer."""
+    losses, params, histories = eager_run(kind, opt_name, *configs, 6, kernels="torch")
     model, _ = build(kind, 8, *configs, kernels="torch")
-    step = CapturedStep(model, loss_fn, optimizer("sgd", model), *data(kind, 4))
+    opt = optimizer(opt_name, model)
+    step = CapturedStep(model, loss_fn, opt, *data(kind, 4))
     capturer = emulated(step)
     for k, (x, y) in enumerate(batches(kind, 6)):
         assert step.step(x, y).item() == losses[k]
         assert step.stats()["forward"]["residuals"] == histories[k]["forward"]
         assert step.stats()["backward"]["residuals"] == histories[k]["backward"]
     assert (capturer.warm_ups, capturer.captured, capturer.replays) == (2, 1, 3)
-    assert len(capturer.graphs[0].ops) > 100
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    return capturer, opt
 
 
 def test_the_emulation_freezes_what_is_decided_on_the_host():
@@ -98,18 +106,7 @@ def test_adam_with_its_step_counts_on_the_device_replays_the_eager_steps_numbers
     losses, residual histories and parameters bit for bit those of eager steps with the
     same optimizer, and the step counts moved by the replays."""
     with step_counts_on_the_device():
-        losses, params, histories = eager_run(kind, "device adam", FORWARD, BACKWARD, 6,
-                                              kernels="torch")
-        model, _ = build(kind, 8, FORWARD, BACKWARD, kernels="torch")
-        opt = optimizer("device adam", model)
-        step = CapturedStep(model, loss_fn, opt, *data(kind, 4))
-        capturer = emulated(step)
-        for k, (x, y) in enumerate(batches(kind, 6)):
-            assert step.step(x, y).item() == losses[k]
-            assert step.stats()["forward"]["residuals"] == histories[k]["forward"]
-            assert step.stats()["backward"]["residuals"] == histories[k]["backward"]
-    assert (capturer.warm_ups, capturer.captured, capturer.replays) == (2, 1, 3)
-    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        _, opt = six_steps_as_eager(kind, (FORWARD, BACKWARD), "device adam")
     assert {state["step"].item() for state in opt.state.values()} == {6.0}
 
 
