@@ -18,19 +18,22 @@ def _pyplot():
     return plt
 
 
+def _all_records(folder: str | Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
 def read_metrics(folder: str | Path) -> tuple[list[dict], list[dict]]:
     """(step records, epoch records) of a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = _all_records(folder)
     return ([r for r in records if r["type"] == "step"],
             [r for r in records if r["type"] == "epoch"])
 
 
 def read_records(folder: str | Path, kind: str) -> list[dict]:
     """The records of type `kind` of a run's metrics.jsonl."""
-    return [r for r in (json.loads(line) for line in
-                        (Path(folder) / "metrics.jsonl").read_text().splitlines()
-                        if line.strip()) if r["type"] == kind]
+    return [r for r in _all_records(folder) if r["type"] == kind]
 
 
 def read_probes(folder: str | Path) -> list[dict]:
