@@ -48,6 +48,23 @@ def replayed_steps(kind, configs, comm, steps=6, opt="sgd"):
     return losses, list(model.parameters()), histories, capturer
 
 
+def against_eager(kind, configs, comm, opt="sgd"):
+    """On one virtual rank: whether six captured steps' losses, residual histories and
+    parameters equal eager training's on the same ranks, bit for bit; the warm-ups,
+    captures and replays; whether the program has graphs and host steps."""
+    eager = eager_run(kind, opt, *CONFIGS[configs], 6, kernels="torch", comm=comm)
+    losses, params, histories, capturer = replayed_steps(kind, CONFIGS[configs], comm,
+                                                         opt=opt)
+    program, = capturer.programs
+    return (losses == eager[0], histories == eager[2],
+            all(torch.equal(a, b) for a, b in zip(params, eager[1])),
+            (capturer.warm_ups, capturer.captured, capturer.replays),
+            program.graphs > 0 and program.host_steps > 0)
+
+
+EQUAL = (True, True, True, (2, 1, 3), True)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 @pytest.mark.parametrize("configs", list(CONFIGS))
@@ -56,15 +73,7 @@ def test_steps_replayed_between_messages_give_the_eager_steps_numbers(ranks, kin
     and host steps: every rank's losses, residual histories and parameters are those of
     eager training on the same ranks, bit for bit; coarse levels gathered on every rank
     included (their fetches are reductions, host steps like the messages)."""
-    def program(comm):
-        eager = eager_run(kind, "sgd", *CONFIGS[configs], 6, kernels="torch", comm=comm)
-        losses, params, histories, capturer = replayed_steps(kind, CONFIGS[configs], comm)
-        program, = capturer.programs
-        return (losses == eager[0], histories == eager[2],
-                all(torch.equal(a, b) for a, b in zip(params, eager[1])),
-                (capturer.warm_ups, capturer.captured, capturer.replays),
-                program.graphs > 0 and program.host_steps > 0)
-    assert run_ranks(ranks, program) == [(True, True, True, (2, 1, 3), True)] * ranks
+    assert run_ranks(ranks, lambda comm: against_eager(kind, configs, comm)) == [EQUAL] * ranks
 
 
 @pytest.mark.parametrize("configs", ["zero", "gathered, warm"])
@@ -72,15 +81,9 @@ def test_adam_with_its_step_counts_on_the_device_replays_between_messages(config
     """Adam as a captured run on a GPU builds it (capturable=True), on 2 virtual ranks: six
     steps, the last three replays, every rank's losses, histories and parameters those of
     eager steps with the same optimizer, bit for bit."""
-    def program(comm):
-        eager = eager_run("dense", "device adam", *CONFIGS[configs], 6, kernels="torch",
-                          comm=comm)
-        losses, params, histories, capturer = replayed_steps("dense", CONFIGS[configs], comm,
-                                                             opt="device adam")
-        return (losses == eager[0], histories == eager[2],
-                all(torch.equal(a, b) for a, b in zip(params, eager[1])), capturer.replays)
     with step_counts_on_the_device():
-        assert run_ranks(2, program) == [(True, True, True, 3)] * 2
+        assert run_ranks(2, lambda comm: against_eager("dense", configs, comm,
+                                                       "device adam")) == [EQUAL] * 2
 
 
 def test_a_transformer_stack_replays_between_messages_with_the_eager_numbers():
