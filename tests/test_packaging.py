@@ -1,7 +1,7 @@
 """What a wheel installs: every package folder of the source tree is in pyproject.toml's
 package list (it is a list, since the CUDA sources install from the top-level cuda/ folder
-as the data package mgrit.cuda; the C sources are the data package mgrit.kernels.csrc), and the kernels' build recipes read the sources that the
-package data names."""
+as the data package mgrit.cuda; the C sources are the data package mgrit.kernels.csrc),
+and the kernels' build recipes read the sources that the package data names."""
 
 import fnmatch
 import sys
