@@ -520,24 +520,26 @@ def test_closing_gives_the_model_back_to_eager_training():
     loss_fn(model(pairs[0][0]), pairs[0][1]).backward()
 
 
-def transformer_case(steps, adam=True, kernels=None, comm=None):
+def transformer_case(steps, opt="adam", kernels=None, comm=None):
     """A maker of a TransformerBlock stack (batched step, causal attention, a dropout of
-    p = 0 that draws nothing) on `comm` and its optimizer, (input, target) pairs, and
-    eager training's losses and parameters after those steps."""
+    p = 0 that draws nothing) on `comm` and its optimizer (`opt` as in `nets.optimizer`),
+    (input, target) pairs, and eager training's losses and parameters after those steps."""
     def make():
         torch.manual_seed(0)
         model = mgrit.LayerParallel(lambda: mgrit.nn.TransformerBlock(8, 2, 16, causal=True),
                                     8, forward=FORWARD, backward=BACKWARD,
                                     closing=nn.Linear(8, 8), kernels=kernels,
                                     comm=comm).double()
-        return model, (torch.optim.Adam(model.parameters(), lr=1e-3) if adam else
-                       torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        return model, (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                       if opt == "sgd" else
+                       torch.optim.Adam(model.parameters(), lr=1e-3,
+                                        capturable=opt == "device adam"))
 
     gen = torch.Generator().manual_seed(1)
     pairs = [tuple(torch.randn(2, 5, 8, generator=gen, dtype=torch.float64) for _ in "xy")
              for _ in range(steps)]
-    model, opt = make()
-    losses = train_eagerly(model, opt, nn.functional.mse_loss, pairs)
+    model, optim = make()
+    losses = train_eagerly(model, optim, nn.functional.mse_loss, pairs)
     return make, pairs, losses, [p.detach().clone() for p in model.parameters()]
 
 

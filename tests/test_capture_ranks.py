@@ -86,19 +86,21 @@ def test_adam_with_its_step_counts_on_the_device_replays_between_messages(config
                                                        "device adam")) == [EQUAL] * 2
 
 
-def test_a_transformer_stack_replays_between_messages_with_the_eager_numbers():
+@pytest.mark.parametrize("opt", ["sgd", "device adam"])
+def test_a_transformer_stack_replays_between_messages_with_the_eager_numbers(opt):
     """TransformerBlock layers (batched step, causal attention) on 2 virtual ranks: five
-    SGD steps, the last two replays, every rank's losses and parameters those of eager
-    training on the same ranks, bit for bit."""
+    steps of SGD with momentum and of Adam as a GPU run builds it, the last two replays,
+    every rank's losses and parameters those of eager training on the same ranks with the
+    same optimizer, bit for bit."""
     def program(comm):
-        make, pairs, losses, eager = transformer_case(5, adam=False, kernels="torch",
-                                                      comm=comm)
-        model, opt = make()
-        step = CapturedStep(model, nn.functional.mse_loss, opt, *pairs[0])
+        make, pairs, losses, eager = transformer_case(5, opt, kernels="torch", comm=comm)
+        model, optim = make()
+        step = CapturedStep(model, nn.functional.mse_loss, optim, *pairs[0])
         capturer = stand_in(step, EmulatedCapture())
         return ([step.step(x, y).item() for x, y in pairs] == losses, capturer.replays,
                 all(torch.equal(a, b) for a, b in zip(eager, model.parameters())))
-    assert run_ranks(2, program) == [(True, 2, True)] * 2
+    with step_counts_on_the_device():
+        assert run_ranks(2, program) == [(True, 2, True)] * 2
 
 
 def test_replays_without_their_messages_train_differently():
