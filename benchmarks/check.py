@@ -64,13 +64,13 @@ def w0_pairs() -> list[Pair]:
 
 
 def w2_pairs() -> list[Pair]:
-    from .training import build, forward_fn, sequential_variant, train_step_fn
+    from .training import build, forward_fn, parallel_model, sequential_variant, train_step_fn
     from .workloads import TRAINING_WORKLOADS
 
     work = TRAINING_WORKLOADS["w2"]()
     x, y = work.inputs(torch.Generator().manual_seed(1))
     model, serial = build(work)
-    stepped, _ = build(sequential_variant(work))
+    stepped = parallel_model(sequential_variant(work))
     return [Pair("w2 forward vs serial pytorch", forward_fn(serial, x), forward_fn(model, x)),
             Pair("w2 train vs serial pytorch", train_step_fn(serial, work, x, y),
                  train_step_fn(model, work, x, y)),

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.timing import median_seconds
-from benchmarks.training import build, sequential_variant
+from benchmarks.training import parallel_model, sequential_variant, serial_network
 from benchmarks.workloads import TrainingWorkload, w1, w1_workload, w2, w2_workload, w4_workload
 
 METRICS = ("train_step", "forward")   # the step first: it matters most if time runs out
@@ -248,17 +248,13 @@ def mgrit_captured_step(model: nn.Module, batch: Batch) -> Timed:
     return Timed(forward, train_step, optimizer, notes)
 
 
-def serial_network(work: TrainingWorkload) -> nn.Module:
-    return build(work)[1]
-
-
 def mgrit_network(**options: Any) -> Callable[[TrainingWorkload], nn.Module]:
     """The layer-parallel model with `options` in both its solvers' settings."""
-    return lambda work: build(work.with_solver(**options))[0]
+    return lambda work: parallel_model(work.with_solver(**options))
 
 
 def one_level_network(work: TrainingWorkload) -> nn.Module:
-    return build(sequential_variant(work))[0]
+    return parallel_model(sequential_variant(work))
 
 
 # in the order of the table, the baseline first (the `early` ones are timed first);

@@ -28,7 +28,7 @@ from mgrit.app.environment import source_commit
 from mgrit.core.config import Config
 from mgrit.nn.defaults import training_options
 
-from .training import build, forward_fn, train_step_fn
+from .training import forward_fn, parallel_model, train_step_fn
 from .work import ratios, step_work
 from .workloads import TRAINING_WORKLOADS, TrainingWorkload
 
@@ -108,8 +108,8 @@ def gradient_error(work: TrainingWorkload, setting: Setting) -> dict[str, float]
     """Relative error and cosine of the setting's gradient against sequential stepping's at
     the same weights, after WARMUP_STEPS training steps of the setting (its warm states
     come from them); the forward output's relative error too."""
-    model, _ = build(setting.apply(work))
-    exact, _ = build(Setting("sequential", 1).apply(work))
+    model = parallel_model(setting.apply(work))
+    exact = parallel_model(Setting("sequential", 1).apply(work))
     batches = _batches(work, WARMUP_STEPS + 1)
     optimizer = work.optimizer(model.parameters())
     for x, y in batches[:-1]:
@@ -142,7 +142,7 @@ def measure(name: str, rounds: int) -> list[dict[str, Any]]:
     runs = []
     for s in settings:
         w = s.apply(work)
-        model, _ = build(w)
+        model = parallel_model(w)
         batches = _batches(work, WARMUP_STEPS)
         x, y = batches[-1]
         step = train_step_fn(model, w, x, y)

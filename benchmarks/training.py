@@ -38,15 +38,28 @@ def sequential_variant(work: TrainingWorkload) -> TrainingWorkload:
                    backward=replace(sequential, execution=work.backward.execution))
 
 
+def parallel_model(work: TrainingWorkload, seed: int = 0, comm: Any = None,
+                   kernels: str | None = None) -> LayerParallel:
+    """The workload's layer-parallel model computing with `kernels`, its initial weights
+    drawn from `seed`."""
+    torch.manual_seed(seed)
+    return work.network().layer_parallel(forward=work.forward, backward=work.backward,
+                                         comm=comm, kernels=kernels)
+
+
+def serial_network(work: TrainingWorkload, seed: int = 0) -> nn.Sequential:
+    """The workload's serial network, with the initial weights `parallel_model` draws from
+    `seed` (the two draw the same numbers, so either leaves torch's generator in the same
+    state)."""
+    torch.manual_seed(seed)
+    return work.network().serial()
+
+
 def build(work: TrainingWorkload, seed: int = 0, comm: Any = None,
           kernels: str | None = None) -> tuple[LayerParallel, nn.Sequential]:
     """(layer-parallel model computing with `kernels`, serial network) with the same
     initial weights."""
-    torch.manual_seed(seed)
-    model = work.network().layer_parallel(forward=work.forward, backward=work.backward,
-                                          comm=comm, kernels=kernels)
-    torch.manual_seed(seed)
-    return model, work.network().serial()
+    return parallel_model(work, seed, comm, kernels), serial_network(work, seed)
 
 
 def train_step_fn(model: nn.Module, work: TrainingWorkload, x: Tensor, y: Tensor,
@@ -108,7 +121,7 @@ def gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[Te
 
 
 def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
-    _, serial = build(work)
+    serial = serial_network(work)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     return {"train_step": median_seconds(train_step_fn(serial, work, x, y), repeats),
             "forward": median_seconds(forward_fn(serial, x), repeats)}
@@ -151,7 +164,7 @@ class Timed(NamedTuple):
 def timed_model(work: TrainingWorkload, comm: Any = None, kernels: str | None = None
                 ) -> Timed:
     """The workload's layer-parallel model, built with `kernels`, with its callables."""
-    model, _ = build(work, comm=comm, kernels=kernels)
+    model = parallel_model(work, comm=comm, kernels=kernels)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     return Timed(model, train_step_fn(model, work, x, y), forward_fn(model, x))
 
@@ -189,7 +202,7 @@ def chosen_variant(work: TrainingWorkload, comm: Any = None, exact_passes: bool 
     measured on the workload's own batch against exact stepping, is within the controller's
     default threshold: the hierarchy, the cycles of either pass up to the workload's, and
     nested starts; with `exact_passes`, exact stepping of either pass or both too."""
-    model, _ = build(work, comm=comm)
+    model = parallel_model(work, comm=comm)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     forward, backward = choose_settings(model, lambda: work.loss(model(x), y),
                                         threshold=THRESHOLD, exact_passes=exact_passes)
@@ -292,13 +305,13 @@ def baseline_times(work: TrainingWorkload, repeats: int, comm: Any
                    ) -> dict[str, dict[str, float]]:
     """Layer-wise model parallelism and GPipe over the ranks of `comm`, same network."""
     x, y = work.inputs(torch.Generator().manual_seed(1))
-    _, serial = build(work)
+    serial = serial_network(work)
     layerwise = LayerwiseModelParallel(serial, comm, x, work.loss, work.optimizer)
     out = {"layer-wise model parallel": {
         "train_step": median_seconds(lambda: layerwise.train_step(x, y), repeats,
                                      comm.Barrier),
         "forward": median_seconds(lambda: layerwise.forward(x), repeats, comm.Barrier)}}
-    _, serial = build(work)
+    serial = serial_network(work)
     gpipe = GPipe(serial, comm, work.microbatches, work.loss, work.optimizer)
     out[f"gpipe pipeline ({work.microbatches} micro-batches)"] = {
         "train_step": median_seconds(lambda: gpipe.train_step(x, y), repeats, comm.Barrier)}

@@ -168,10 +168,10 @@ def step_work(work_load: Any, comm: Any = None) -> dict[str, Any]:
     a `TrainingWorkload` on this process's rank, counted on a fresh model after one
     untimed step and pass (solver storage and compiled phases made inside the count, and
     the solvers' one-off check of the step outside it)."""
-    from .training import build, forward_fn, train_step_fn
+    from .training import forward_fn, parallel_model, train_step_fn
 
     with counting() as work:
-        model, _ = build(work_load, comm=comm)
+        model = parallel_model(work_load, comm=comm)
         x, y = work_load.inputs(torch.Generator().manual_seed(1))
         step = train_step_fn(model, work_load, x, y)
         step()

@@ -378,11 +378,12 @@ def test_the_bench_times_networks_with_native_kernels_also_with_torch_kernels(na
     from benchmarks import training as bench_train
 
     seen = []
-    build = bench_train.build
-    monkeypatch.setattr(bench_train, "build",
+    parallel_model = bench_train.parallel_model
+    monkeypatch.setattr(bench_train, "parallel_model",
                         lambda work, comm=None, kernels=None: seen.append(
                             (kernels, os.environ.get("MGRIT_NATIVE"), work.forward.levels,
-                             work.backward.levels)) or build(work, comm=comm, kernels=kernels))
+                             work.backward.levels)) or parallel_model(work, comm=comm,
+                                                                     kernels=kernels))
     monkeypatch.setattr(bench_train, "median_seconds", lambda fn, repeats, barrier: 0.0)
     monkeypatch.setenv("MGRIT_NATIVE", "auto")
     work = bench_train.TRAINING_WORKLOADS[name]()

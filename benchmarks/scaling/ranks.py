@@ -34,7 +34,7 @@ from mgrit.app import launch
 from mgrit.app.replay import Interconnect
 
 from ..baselines import LayerwiseModelParallel
-from ..training import build, forward_fn, train_step_fn
+from ..training import forward_fn, serial_network, train_step_fn
 from .cases import CHECKS, ScalingCase, fastest, torch_kernels
 from .validation import compare, network_from, validation_record
 from .virtual import _fastest, virtual_point
@@ -71,14 +71,14 @@ def baselines_record(cases: tuple[str, ...], repeats: int) -> dict[str, Any]:
     for name in cases:
         work = CHECKS[name].work()
         x, y = work.inputs(torch.Generator().manual_seed(1))
-        _, network = build(work)
+        network = serial_network(work)
         layerwise = LayerwiseModelParallel(network, world, x, work.loss, work.optimizer)
         out[name] = {"layer-wise model parallel": {
             "train": _times(world, lambda: layerwise.train_step(x, y), repeats),
             "forward": _times(world, lambda: layerwise.forward(x), repeats)}}
         serial: dict[str, list[float]] = {}
         if world.rank == 0:
-            _, network = build(work)
+            network = serial_network(work)
             for metric, fn in (("train", train_step_fn(network, work, x, y)),
                                ("forward", forward_fn(network, x))):
                 fn()

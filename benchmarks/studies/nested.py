@@ -50,8 +50,8 @@ from ..scaling.cases import CURVES, fastest, setup, shared_model, traced_step
 from ..scaling.study import CLUSTER_BANDWIDTH, CLUSTER_LATENCY
 from ..scaling.validation import compare, network_from, ping_pong
 from ..scaling.virtual import fresh, predict, work_traces
-from ..training import (build, hierarchy, hierarchy_label, sequential_variant, train_step_fn,
-                        with_hierarchy)
+from ..training import (hierarchy, hierarchy_label, parallel_model, sequential_variant,
+                        train_step_fn, with_hierarchy)
 from ..workloads import TrainingWorkload
 from . import warm
 
@@ -80,7 +80,7 @@ def work_of(name: str, options: Options | None = None) -> TrainingWorkload:
 def gradient_error(work: TrainingWorkload) -> float:
     """The relative error of the training gradient with `work`'s solver options against
     exact stepping's, on the workload's batch and initial weights."""
-    model, _ = build(work)
+    model = parallel_model(work)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     closure = lambda: work.loss(model(x), y)  # noqa: E731
     exact, _, _ = probe_solves(model, closure, EXACT, EXACT)
@@ -92,7 +92,7 @@ def choose(name: str, ranks: int, threshold: float) -> dict[str, Any]:
     """The options `choose_settings` picks for the case's model (one process) priced for
     `ranks` ranks, with their gradient error and the seconds the choice took."""
     work = work_of(name)
-    model, _ = build(work)
+    model = parallel_model(work)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     start = time.perf_counter()
     forward, backward = choose_settings(model, lambda: work.loss(model(x), y), ranks=ranks,
@@ -129,7 +129,7 @@ def one_rank(name: str, options: Options, repeats: int, warmup: int, ranks: int
     out = {}
     for label, w in (("sequential", sequential_variant(work)), ("chosen", work),
                      ("share", share_work(name, ranks))):
-        out[label] = fastest(_timed(train_step_fn(build(w)[0], w, x, y), repeats, warmup))
+        out[label] = fastest(_timed(train_step_fn(parallel_model(w), w, x, y), repeats, warmup))
     return out
 
 
