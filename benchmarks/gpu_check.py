@@ -18,7 +18,9 @@ compared with serial eager PyTorch's: a method that times something else than th
 shows there.
 
 DIR/gpu-<device>.json is rewritten after every method, so a run stopped by its time limit
-keeps all it measured; DIR/gpu-<device>.md is the table. A method that cannot run here
+keeps all it measured, with its verdict on each of `TARGETS` (each captured setting's time
+over the one-graph step's; not judged where either was not timed); DIR/gpu-<device>.md is
+the table of both. A method that cannot run here
 (CUDA only, or a part of mgrit that does not exist yet) is recorded as not available; one
 that fails, or whose process runs past its limit, as failed or timed out. The exit status
 is 1 if a method other than torch.compile failed or timed out, 2 without a CUDA device.
@@ -445,6 +447,7 @@ class Report:
         return json.loads(self.path.read_text())
 
     def save(self, data: dict[str, Any]) -> None:
+        data["targets"] = verdicts(data)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1, default=str))
         tmp.replace(self.path)
@@ -461,15 +464,70 @@ def _recorded(data: dict[str, Any]) -> set[tuple[str, str, str]]:
             for r in data["speed"] + data["unmeasured"]}
 
 
-def table(data: dict[str, Any]) -> str:
-    """The markdown table: per workload and metric, the methods in `ALL_METHODS` order,
-    each time against the first measured one (the strongest baseline) and serial eager."""
-    env = data["environment"]
-    lines = [f"# mgrit on {env.get('gpu', env['device'])}", "",
-             f"torch {env['torch']}, CUDA {env['torch_cuda']}, Python {env['python']}; "
-             f"median of {data['settings']['repeats']} runs (at most 3 for calls over 0.25 s), "
-             f"{'CUDA events' if env['device'] == 'cuda' else 'CPU timers (dry run)'}.", "",
-             "| workload | metric | method | time | vs first | vs eager | vs serial step "
+# What the captured step is for on one GPU: (workload, metric, bound, strict), its time at
+# most `bound` times serial PyTorch's in one CUDA graph (below it, where strict)
+TARGETS = (("w2", "train_step", 0.25, False), ("w2b", "train_step", 0.25, False),
+           ("w2", "forward", 0.2, False), ("w4", "train_step", 1.0, True))
+BASELINE = "serial pytorch, cuda graph"
+CAPTURED = ("mgrit captured step", "mgrit captured step, no cycle")
+
+
+def verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target for each captured method, from the record's times: the method's time
+    over the baseline's (`ratio`), its difference from serial eager's step (`error`) and
+    whether that meets the target (`met`); `met` is None (not judged) where either time
+    is missing, with the reason the record gives. A record without statuses (an older
+    one) counts every time it holds as measured."""
+    rows = {(r["workload"], r["method"], r["metric"]): r
+            for r in data.get("unmeasured", []) + data["speed"]}
+    out = []
+    for workload, metric, bound, strict in TARGETS:
+        base = rows.get((workload, BASELINE, metric))
+        for method in CAPTURED:
+            mine = rows.get((workload, method, metric))
+            verdict: dict[str, Any] = {"workload": workload, "metric": metric,
+                                       "method": method, "bound": bound, "strict": strict,
+                                       "ratio": None, "error": None, "met": None}
+            missing = [(name, r) for name, r in ((BASELINE, base), (method, mine))
+                       if r is None or r.get("status", "measured") != "measured"]
+            if missing:
+                name, r = missing[0]
+                verdict["reason"] = (f"{name}: {r['status']}, {r.get('reason', '')}".strip(", ")
+                                     if r else f"{name}: not timed in this run")
+            else:
+                verdict["ratio"] = mine["seconds"] / base["seconds"]
+                verdict["error"] = mine.get("forward_error" if metric == "forward"
+                                            else "update_error")
+                verdict["met"] = (verdict["ratio"] < bound if strict
+                                  else verdict["ratio"] <= bound)
+            out.append(verdict)
+    return out
+
+
+def targets_table(data: dict[str, Any]) -> str:
+    """The markdown table of `verdicts`: each target with each captured method's ratio,
+    its difference from serial eager's step and whether it meets the target."""
+    lines = ["| target | method | vs one CUDA graph | vs serial step | verdict |",
+             "|---|---|---|---|---|"]
+    for k, v in enumerate(verdicts(data)):
+        bound = (f"below {v['bound']:g}x" if v["strict"] else f"at most {v['bound']:g}x")
+        target = (f"{v['workload']} {v['metric'].replace('_', ' ')} {bound}"
+                  if k % len(CAPTURED) == 0 else "")
+        if v["met"] is None:
+            cells = ["-", "-", f"not judged ({v['reason'][:120]})"]
+        else:
+            cells = [f"{v['ratio']:.2f}",
+                     "-" if v["error"] is None else f"{v['error']:.1e}",
+                     "met" if v["met"] else "not met"]
+        lines.append("| " + " | ".join([target, v["method"], *cells]) + " |")
+    return "\n".join(lines)
+
+
+def speed_table(data: dict[str, Any]) -> str:
+    """The markdown table of the times: per workload and metric, the methods in
+    `ALL_METHODS` order, each time against the first measured one (the strongest
+    baseline) and serial eager."""
+    lines = ["| workload | metric | method | time | vs first | vs eager | vs serial step "
              "| first call | launches | GPU ops |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = {m.name: k for k, m in enumerate(ALL_METHODS)}
     for name in data["workloads"]:
@@ -496,11 +554,27 @@ def table(data: dict[str, Any]) -> str:
                     f"{r['seconds'] / eager_s:.3f}" if eager_s else "-",
                     f"{error:.1e}", f"{r['first_call_seconds']:.1f} s",
                     str(r.get("host_launches", "-")), str(r.get("device_ops", "-"))]) + " |")
-    lines += ["", "vs first: time over the first measured method's (serial PyTorch in one "
-              "CUDA graph on a GPU); vs serial step: relative difference of the first output "
-              "(forward) or of the first update (training step) from serial eager PyTorch's, "
-              "from the same weights (exact methods: round-off)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def table(data: dict[str, Any]) -> str:
+    """The report: the times (`speed_table`), then the targets (`targets_table`)."""
+    env = data["environment"]
+    return "\n".join([
+        f"# mgrit on {env.get('gpu', env['device'])}", "",
+        f"torch {env['torch']}, CUDA {env['torch_cuda']}, Python {env['python']}; median of "
+        f"{data['settings']['repeats']} runs (at most 3 for calls over 0.25 s), "
+        f"{'CUDA events' if env['device'] == 'cuda' else 'CPU timers (dry run)'}.", "",
+        speed_table(data), "",
+        "vs first: time over the first measured method's (serial PyTorch in one CUDA graph on "
+        "a GPU); vs serial step: relative difference of the first output (forward) or of the "
+        "first update (training step) from serial eager PyTorch's, from the same weights "
+        "(exact methods: round-off).", "",
+        "## Targets", "",
+        "The captured step's time over serial PyTorch's in one CUDA graph, for each captured "
+        "setting; its difference from serial eager's step says what its speed costs in "
+        "accuracy.", "",
+        targets_table(data)]) + "\n"
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -64,6 +64,57 @@ def test_dry_run_times_or_explains_every_method(tmp_path):
         assert f"{r['seconds'] * 1e3:.3f} ms" in table
     lines = [line for line in table.splitlines() if line.startswith("| w2 | train step")]
     assert len(lines) == 1 and "serial pytorch, cuda graph | not available" in lines[0]
+    # no target is judged without the one-graph baseline, and each says why
+    assert len(data["targets"]) == len(gpu_check.TARGETS) * len(gpu_check.CAPTURED)
+    assert {(v["met"], v["reason"]) for v in data["targets"]} == {
+        (None, "serial pytorch, cuda graph: not available, needs a CUDA device")}
+    assert table.count("not judged (serial pytorch, cuda graph: not available") == len(
+        data["targets"])
+
+
+def record(times, unmeasured=()):
+    """A gpu_check record of (workload, method, metric) -> seconds, and of unmeasured
+    (workload, method, metric, status, reason)."""
+    return {"speed": [{"workload": w, "method": m, "metric": k, "status": "measured",
+                       "seconds": s, "update_error": 0.01, "forward_error": 0.02}
+                      for (w, m, k), s in times.items()],
+            "unmeasured": [dict(zip(("workload", "method", "metric", "status", "reason"), u))
+                           for u in unmeasured]}
+
+
+def test_targets_are_judged_against_the_one_graph_baseline():
+    """Each captured setting's time over the one-graph step's, against every target's
+    bound: at the bound is met, W4's strict bound is not met at parity; a target whose
+    baseline or method has no time is not judged, with the record's reason."""
+    from benchmarks import gpu_check
+
+    base, step, fast = "serial pytorch, cuda graph", *gpu_check.CAPTURED
+    # powers of two: a ratio at the bound is exactly the bound
+    times = {("w2", base, "train_step"): 2.0 ** -6, ("w2", step, "train_step"): 2.0 ** -8,
+             ("w2", fast, "train_step"): 0.0038,
+             ("w2", base, "forward"): 0.010, ("w2", step, "forward"): 0.0021,
+             ("w2", fast, "forward"): 0.0015,
+             ("w4", base, "train_step"): 0.030, ("w4", step, "train_step"): 0.030,
+             ("w4", fast, "train_step"): 0.029, ("w2b", base, "train_step"): 0.040}
+    got = {(v["workload"], v["metric"], v["method"]): v
+           for v in gpu_check.verdicts(record(times, [("w2b", step, "train_step", "failed",
+                                                       "CaptureError: no")]))}
+    assert set(got) == {(w, k, m) for w, k, _, _ in gpu_check.TARGETS
+                        for m in gpu_check.CAPTURED}
+    expected = {("w2", "train_step", step): (0.25, True), ("w2", "train_step", fast):
+                (0.0038 * 64, True), ("w2", "forward", step): (0.21, False),
+                ("w2", "forward", fast): (0.15, True), ("w4", "train_step", step): (1.0, False),
+                ("w4", "train_step", fast): (29 / 30, True)}
+    for key, (ratio, met) in expected.items():
+        assert (got[key]["ratio"], got[key]["met"]) == (pytest.approx(ratio), met), key
+    assert got[("w2", "forward", step)]["error"] == 0.02
+    assert got[("w2", "train_step", step)]["error"] == 0.01
+    failed, untimed = got[("w2b", "train_step", step)], got[("w2b", "train_step", fast)]
+    assert (failed["met"], failed["reason"]) == (None, f"{step}: failed, CaptureError: no")
+    assert (untimed["met"], untimed["reason"]) == (None, f"{fast}: not timed in this run")
+    table = gpu_check.targets_table(record(times))
+    assert "| w2 train step at most 0.25x | mgrit captured step | 0.25 | 1.0e-02 | met |" in table
+    assert "| w4 train step below 1x | mgrit captured step | 1.00 | 1.0e-02 | not met |" in table
 
 
 @pytest.mark.slow

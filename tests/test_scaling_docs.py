@@ -88,3 +88,34 @@ def test_the_study_rewrites_only_its_own_tables(tmp_path):
     assert "curve-w2" in written and "ranks-h200" not in written
     body = page.read_text().split("<!-- begin generated: ranks-h200 -->\n")[1]
     assert body.startswith("| stale |")
+
+
+def test_a_device_runs_tables_are_written_from_its_records(tmp_path):
+    """Sections named by a device run's GPU take its records: gpu_check's own speed table
+    and targets from gpu-DEVICE.json, the real-rank table from ranks-DEVICE.json."""
+    from benchmarks import gpu_check
+
+    dry = json.loads((RESULTS / "gpu-h200.json").read_text())
+    record = {"environment": dry["environment"], "workloads": {"w2": "W2"},
+              "settings": {"repeats": 5},
+              "speed": [{"workload": "w2", "method": method, "metric": "train_step",
+                         "status": "measured", "seconds": seconds, "first_call_seconds": 1.0,
+                         "update_error": 0.0}
+                        for method, seconds in (("serial pytorch, cuda graph", 0.02),
+                                                ("serial pytorch", 0.2),
+                                                ("mgrit captured step", 0.004))],
+              "unmeasured": []}
+    (tmp_path / "gpu-h100-80gb-hbm3.json").write_text(json.dumps(record))
+    (tmp_path / "ranks-h100-80gb-hbm3.json").write_text(
+        (RESULTS / "ranks-h200.json").read_text())
+    page = tmp_path / "results.md"
+    page.write_text("".join(f"<!-- begin generated: {name}-h100-80gb-hbm3 -->\n| stale |\n"
+                            "<!-- end generated -->\n" for name in ("gpu", "gpu-targets",
+                                                                     "ranks")))
+    assert docs.update(page, tmp_path) == [f"{name}-h100-80gb-hbm3"
+                                           for name in ("gpu", "gpu-targets", "ranks")]
+    text = page.read_text()
+    assert gpu_check.speed_table(record) in text and gpu_check.targets_table(record) in text
+    assert docs.ranks_table(json.loads((RESULTS / "ranks-h200.json").read_text())) in text
+    assert "| mgrit captured step | 0.20 | 0.0e+00 | met |" in text
+    assert "| stale |" not in text

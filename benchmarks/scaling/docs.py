@@ -121,7 +121,12 @@ GPU_WORKLOADS = {"w2": "W2 (batch 1)", "w2b": "W2b (batch 32)", "w1": "W1 (conv,
 
 def gpu_table(record: dict[str, Any]) -> str:
     """benchmarks/gpu_check.py's speed section, serial PyTorch captured as one CUDA graph
-    (the strongest baseline) first and every time against it."""
+    (the strongest baseline) first and every time against it: the run's own table for a
+    record that gives every method's status (the current format), else the older one's."""
+    if "unmeasured" in record:
+        from benchmarks.gpu_check import speed_table
+
+        return speed_table(record)
     rows = []
     for workload, label in GPU_WORKLOADS.items():
         for metric in ("train_step", "forward"):
@@ -175,18 +180,48 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 
 
+def gpu_targets_table(record: dict[str, Any]) -> str:
+    """benchmarks/gpu_check.py's targets: each captured setting's time over serial
+    PyTorch's in one CUDA graph, its error and whether it meets the target."""
+    from benchmarks.gpu_check import targets_table
+
+    return targets_table(record)
+
+
+# the records of a device run, named by its GPU (`benchmarks.gpu_check.slug`): section
+# prefix -> (the record's name from the rest of the section's name, the writer)
+DEVICE_SECTIONS: dict[str, tuple[Callable[[str], str], Callable[[dict[str, Any]], str]]] = {
+    "gpu-targets-": (lambda device: f"gpu-{device}.json", gpu_targets_table),
+    "gpu-": (lambda device: f"gpu-{device}.json", gpu_table),
+    "ranks-": (lambda device: f"ranks-{device}.json", ranks_table),
+}
+
+
+def section(name: str) -> tuple[str, Callable[[dict[str, Any]], str]] | None:
+    """The record and the writer of section `name`: a fixed one of `SECTIONS`, else a
+    device run's (`DEVICE_SECTIONS`, e.g. "gpu-h100-80gb-hbm3" from
+    gpu-h100-80gb-hbm3.json); None if no writer knows it."""
+    if name in SECTIONS:
+        return SECTIONS[name]
+    for prefix, (record, write) in DEVICE_SECTIONS.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return record(name[len(prefix):]), write
+    return None
+
+
 def update(doc: Path, results: Path, only: set[str] | None = None) -> list[str]:
     """Rewrite the generated sections that `doc` has (those written from the records named
     in `only`, or all) from the records in `results`; the names of the sections written.
     A section no writer knows is an error, before anything is written."""
     text = doc.read_text()
-    unknown = [n for n in generated_names(text) if n not in SECTIONS]
+    unknown = [n for n in generated_names(text) if section(n) is None]
     if unknown:
+        devices = ", ".join(prefix + "DEVICE" for prefix in DEVICE_SECTIONS)
         raise ValueError(f"{doc}: no writer for generated section(s) {unknown}; known: "
-                         f"{', '.join(SECTIONS)}")
+                         f"{', '.join(SECTIONS)} and {devices}")
     written = []
     for name in generated_names(text):
-        record, write = SECTIONS[name]
+        record, write = section(name)
         if only is not None and record not in only:
             continue
         text = replace_generated(text, name, write(json.loads((results / record).read_text())))
@@ -200,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.scaling.docs",
         description="Rewrite the generated tables of the docs from the JSON records; "
                     "the text between them stays as written.",
-        epilog="sections: " + ", ".join(f"{n} (from {r})" for n, (r, _) in SECTIONS.items()))
+        epilog="sections: " + ", ".join(f"{n} (from {r})" for n, (r, _) in SECTIONS.items())
+        + "; and a device run's: " + ", ".join(f"{p}DEVICE (from {r('DEVICE')})"
+                                               for p, (r, _) in DEVICE_SECTIONS.items()))
     parser.add_argument("--results", type=Path, default=Path("docs/results"),
                         help="folder of the JSON records (default: docs/results)")
     parser.add_argument("--doc", type=Path, action="append", help="a page to rewrite, "
