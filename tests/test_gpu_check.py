@@ -129,3 +129,15 @@ def test_a_job_past_its_limit_is_recorded_and_the_run_goes_on(tmp_path):
     assert data["jobs"][0]["workload"] == "w2" and data["jobs"][0]["exit"] is None
     left_out = {r["status"] for r in data["unmeasured"] if r["workload"] == "w1"}
     assert left_out <= {"timed out", "skipped"} and left_out
+
+
+def test_the_workloads_with_targets_are_timed_first():
+    """A run whose budget runs short loses the workloads without a target first."""
+    from benchmarks import gpu_check
+
+    targeted = {w for w, *_ in gpu_check.TARGETS}
+    assert targeted <= set(gpu_check.WORKLOADS)
+    first = [w in targeted for w in gpu_check.WORKLOADS]
+    assert first == sorted(first, reverse=True)
+    args = gpu_check.argparse.Namespace(workloads=list(gpu_check.WORKLOADS), compile=[])
+    assert [name for _, name, _ in gpu_check.jobs(args)] == list(gpu_check.WORKLOADS)
