@@ -50,6 +50,21 @@ def test_w4_and_w5_are_registered_with_the_documented_sizes():
     assert len(set(labels.tolist())) > 1 and w5.network().num_steps == 16
 
 
+@pytest.mark.parametrize("name", sorted(TRAINING_WORKLOADS))
+def test_either_network_of_a_workload_leaves_the_generator_in_the_same_state(name):
+    """The benchmarks build only the network they time: the layer-parallel model and the
+    serial network draw the same initial weights, so the draws after either (dropout in
+    W4) do not depend on which was built."""
+    work = TRAINING_WORKLOADS[name]()
+    model = training.parallel_model(work, seed=3)
+    after_model = torch.random.get_rng_state()
+    serial = training.serial_network(work, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), after_model)
+    exported, built = model.to_serial().state_dict(), serial.state_dict()
+    assert list(exported) == list(built)
+    assert all(torch.equal(exported[k], built[k]) for k in built)
+
+
 @pytest.mark.parametrize("name", ["w4", "w5"])
 def test_one_training_step_of_serial_and_layer_parallel_gives_a_finite_loss(name):
     work = _tiny(name)
