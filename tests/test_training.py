@@ -1,9 +1,15 @@
 """Training loops, data and workload networks."""
 
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 import mgrit
+from mgrit.app import data as data_module
 from mgrit.app.data import batches, digits
 
 from benchmarks import workloads as models
@@ -17,6 +23,27 @@ def test_digits_split_is_fixed_and_stratified():
     assert float(a.x_train.max()) == 1.0 and float(a.x_train.min()) == 0.0
     counts = torch.bincount(a.y_test, minlength=10)
     assert int(counts.min()) >= 50
+
+
+def test_digits_are_scikit_learns_without_importing_it(monkeypatch):
+    """The CLI's default data set is read from scikit-learn's file: the same arrays as
+    `load_digits`, with no second of scikit-learn's import on every rank; and where the file
+    is not found, from `load_digits` itself."""
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    images, target = data_module._digits_arrays()
+    assert np.array_equal(images, reference.images) and np.array_equal(target, reference.target)
+    probe = ("import sys; from mgrit.app.data import digits; d = digits(); "
+             "print(len(d.x_train) + len(d.x_test), "
+             "sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy'}))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert proc.stdout.split() == ["1797", "[]"]
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    images, target = data_module._digits_arrays()
+    assert np.array_equal(images, reference.images) and np.array_equal(target, reference.target)
 
 
 def test_batches_cover_each_example_once_per_epoch():
