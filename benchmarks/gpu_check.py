@@ -361,8 +361,25 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
+def device_activity(intervals_us: list[tuple[float, float]]) -> dict[str, float]:
+    """The GPU operations' (start, end) in microseconds, as the seconds they took together
+    and the seconds in which any ran (operations overlapping on concurrent streams or graph
+    branches count once). Over the call's time, the second says how much of it the GPU
+    worked (the rest: launch gaps and waits), and the first over the second how many
+    operations ran at once on average: what the layer-parallel work gets of the device."""
+    total = busy = 0.0
+    reach = float("-inf")
+    for start, end in sorted(intervals_us):
+        total += end - start
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return {"device_op_seconds": total / 1e6, "device_busy_seconds": busy / 1e6}
+
+
 def launches(fn: Callable[[], object]) -> dict[str, Any]:
-    """Launch calls made by the host and operations run by the GPU in one call of fn."""
+    """Launch calls made by the host, and operations run by the GPU and their times
+    (`device_activity`), in one call of fn."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -372,13 +389,14 @@ def launches(fn: Callable[[], object]) -> dict[str, Any]:
         fn()
         torch.cuda.synchronize()
     host: dict[str, int] = {}
-    device_ops = 0
+    spans = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
-            device_ops += 1
+            spans.append((event.time_range.start, event.time_range.end))
         elif event.name in LAUNCH_CALLS:
             host[event.name] = host.get(event.name, 0) + 1
-    return {"host_launches": sum(host.values()), "device_ops": device_ops, "by_call": host}
+    return {"host_launches": sum(host.values()), "device_ops": len(spans), "by_call": host,
+            **device_activity(spans)}
 
 
 def measure(method: Method, name: str, batch: Batch, ref: Reference, repeats: int,
@@ -525,12 +543,17 @@ def targets_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
 def speed_table(data: dict[str, Any]) -> str:
     """The markdown table of the times: per workload and metric, the methods in
     `ALL_METHODS` order, each time against the first measured one (the strongest
     baseline) and serial eager."""
     lines = ["| workload | metric | method | time | vs first | vs eager | vs serial step "
-             "| first call | launches | GPU ops |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first call | launches | GPU ops | GPU busy | overlap |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {m.name: k for k, m in enumerate(ALL_METHODS)}
     for name in data["workloads"]:
         for metric in METRICS:
@@ -547,15 +570,18 @@ def speed_table(data: dict[str, Any]) -> str:
                 if r["status"] != "measured":
                     reason = str(r.get("reason", "")).strip().splitlines()
                     lines.append("| " + " | ".join(label + [
-                        f"{r['status']}: {reason[-1][:120] if reason else ''}"] + [""] * 6)
+                        f"{r['status']}: {reason[-1][:120] if reason else ''}"] + [""] * 8)
                         + " |")
                     continue
                 error = r.get("forward_error", r.get("update_error"))
+                busy, ops = r.get("device_busy_seconds"), r.get("device_op_seconds")
                 lines.append("| " + " | ".join(label + [
                     f"{r['seconds'] * 1e3:.3f} ms", f"{r['seconds'] / first:.2f}",
                     f"{r['seconds'] / eager_s:.3f}" if eager_s else "-",
                     f"{error:.1e}", f"{r['first_call_seconds']:.1f} s",
-                    str(r.get("host_launches", "-")), str(r.get("device_ops", "-"))]) + " |")
+                    _count(r.get("host_launches")), _count(r.get("device_ops")),
+                    f"{busy / r['seconds']:.0%}" if busy else "-",
+                    f"{ops / busy:.2f}" if busy else "-"]) + " |")
     return "\n".join(lines)
 
 
@@ -571,7 +597,9 @@ def table(data: dict[str, Any]) -> str:
         "vs first: time over the first measured method's (serial PyTorch in one CUDA graph on "
         "a GPU); vs serial step: relative difference of the first output (forward) or of the "
         "first update (training step) from serial eager PyTorch's, from the same weights "
-        "(exact methods: round-off).", "",
+        "(exact methods: round-off); launches: the host's launch calls in one call; GPU ops: "
+        "the operations the GPU ran; GPU busy: the part of the time in which any ran; "
+        "overlap: their summed times over that (above 1: operations ran at once).", "",
         "## Targets", "",
         "The captured step's time over serial PyTorch's in one CUDA graph, for each captured "
         "setting; its difference from serial eager's step says what its speed costs in "

@@ -117,6 +117,30 @@ def test_targets_are_judged_against_the_one_graph_baseline():
     assert "| w4 train step below 1x | mgrit captured step | 1.00 | 1.0e-02 | not met |" in table
 
 
+def test_the_gpus_busy_time_counts_overlapping_operations_once():
+    """What the speed table's GPU busy and overlap columns come from: the operations'
+    summed times, and the time in which any ran (nested, overlapping, touching and apart)."""
+    from benchmarks import gpu_check
+
+    spans = [(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (40.0, 100.0), (50.0, 60.0),
+             (100.0, 110.0)]
+    got = gpu_check.device_activity(spans)
+    assert got["device_op_seconds"] == pytest.approx(110e-6)
+    assert got["device_busy_seconds"] == pytest.approx(95e-6)
+    assert gpu_check.device_activity([]) == {"device_op_seconds": 0.0,
+                                             "device_busy_seconds": 0.0}
+    rec = record({("w2", "serial pytorch, cuda graph", "train_step"): 0.004,
+                  ("w2", "mgrit captured step", "train_step"): 0.002})
+    for r in rec["speed"]:
+        r["first_call_seconds"] = 1.0
+    rec["speed"][1].update(host_launches=1, device_ops=300, device_busy_seconds=0.0015,
+                           device_op_seconds=0.003)
+    rec["workloads"] = {"w2": "W2"}
+    lines = gpu_check.speed_table(rec).splitlines()
+    assert lines[2].endswith("| 1.0 s | - | - | - | - |"), lines[2]
+    assert lines[3].endswith("| 1.0 s | 1 | 300 | 75% | 2.00 |"), lines[3]
+
+
 @pytest.mark.slow
 def test_a_job_past_its_limit_is_recorded_and_the_run_goes_on(tmp_path):
     """A one-second limit stops the methods job of W2 (its process is killed); the run goes
