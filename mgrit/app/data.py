@@ -45,7 +45,7 @@ def _split(x: Tensor, y: Tensor, test_fraction: float, seed: int, classes: int) 
     return Split(x[train], y[train], x[test], y[test], classes)
 
 
-def _digits_arrays():
+def _digits_arrays() -> tuple[Any, Any]:
     """The digits' images (1797, 8, 8) and labels, as numpy arrays.
 
     Read from the CSV file scikit-learn installs, without importing scikit-learn: its import
