@@ -173,6 +173,23 @@ def float32_errors(kind: str, num_steps: int, config, comm=None) -> dict:
     return results
 
 
+def round_off_equal(a, b, ulps: int = 64) -> bool:
+    """Whether two tensors, or two lists of floats, agree to round-off: no difference above
+    `ulps` units of the dtype's epsilon times the larger magnitude in either. A captured
+    step takes some products through other torch calls than the eager step (the eager
+    adjoint skips all-zero rows and takes a lone non-zero one as a single product; the
+    captured one computes the whole batch), and on some CPUs (AVX-512) `torch.bmm` over a
+    batch and `mm` on one of its matrices round differently in the last bit."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    scale = torch.maximum(a.abs().max(), b.abs().max()) if a.numel() else 0.0
+    return bool((a - b).abs().max() <= ulps * torch.finfo(a.dtype).eps * scale
+                ) if a.numel() else True
+
+
 def loss_fn(out, y):
     """The classification loss of these networks' training steps."""
     return nn.functional.cross_entropy(out, y)

@@ -15,7 +15,7 @@ import mgrit
 from mgrit.nn import CapturedForward, CapturedStep, CaptureError
 
 from emulated_graphs import EmulatedCapture, step_counts_on_the_device
-from nets import build, data, loss_fn, optimizer, train_eagerly
+from nets import build, data, loss_fn, optimizer, round_off_equal, train_eagerly
 from test_capture import (BACKWARD, FORWARD, STEADY, WARM, batches, eager_run, probed_error,
                           stand_in, transformer_case)
 
@@ -200,7 +200,10 @@ def test_a_controllers_probes_between_replays_measure_and_leave_training_as_it_w
             assert controller.probes[-1]["error"] == pytest.approx(expected, rel=1e-9), k
     assert capturer.replays == 4 and not controller.decisions
     assert [p["step"] for p in controller.probes] == list(range(0, 7, every))
-    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    # to round-off: the eager adjoint takes a lone non-zero row as a single product, the
+    # captured one the whole batch (`round_off_equal`)
+    assert all(round_off_equal(a.detach(), b.detach())
+               for a, b in zip(params, model.parameters()))
 
 
 # sweep graphs (Config.cuda_graphs): the relaxation sweeps between a rank's messages --------
