@@ -1,6 +1,6 @@
 """Two or more versions of mgrit timed side by side in one process, call by call.
 
-    python -m benchmarks.ab REV [REV ...] [--workload w2] [--rounds 30]
+    python -m benchmarks.ab REV [REV ...] [--workload w2] [--rounds 30] [--exact] [--serial]
 
 Each REV (a git revision, or "." for the working tree) has its `mgrit` package exported
 into a temporary folder under the name `mgrit_<n>` and imported next to the others; every
@@ -8,7 +8,9 @@ round times one training step (then, in rounds of their own, one forward pass) o
 workload's layer-parallel model on one rank for each version in turn, in the opposite order
 every other round, so that a slow phase of a shared machine, and whatever running right
 after another version costs, hits all of them alike. Prints each version's median and fastest time and its median as a ratio to the
-first version's. What the commit message of a change to a hot path quotes when it says a
+first version's. `--exact` times exact passes (levels=1 both ways) in place of the
+workload's MGRIT settings; `--serial` adds serial PyTorch (the plain network, first, so
+that every ratio is to it) to the same rounds. What the commit message of a change to a hot path quotes when it says a
 workload's speed is unchanged.
 
 The library imports itself only relatively, which is what lets a version load under
@@ -32,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .timing import seconds
-from .training import forward_fn, train_step_fn
+from .training import forward_fn, serial_network, train_step_fn
 from .workloads import TRAINING_WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,14 +55,16 @@ def export(revision: str, folder: Path, name: str) -> None:
     (folder / f"{name}.src" / "mgrit").rename(target)
 
 
-def timed_steps(package: Any, workload: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(one training step, one forward pass) of the workload's model built by `package`."""
+def timed_steps(package: Any, workload: str, exact: bool = False
+                ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, one forward pass) of the workload's model built by `package`,
+    with the workload's solver settings or (`exact`) exact passes."""
     work = TRAINING_WORKLOADS[workload]()
     torch.manual_seed(0)
     net = work.network()
-    model = package.LayerParallel(net.step, net.num_steps, net.t_final,
-                                  package.Config(**_options(work.forward)),
-                                  package.Config(**_options(work.backward)),
+    configs = [package.Config(levels=1, tol=0.0, max_iter=1) if exact
+               else package.Config(**_options(c)) for c in (work.forward, work.backward)]
+    model = package.LayerParallel(net.step, net.num_steps, net.t_final, *configs,
                                   opening=net.opening, closing=net.closing)
     x, y = work.inputs(torch.Generator().manual_seed(1))
     return train_step_fn(model, work, x, y), forward_fn(model, x)
@@ -71,19 +75,29 @@ def _options(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.describe().items() if k != "initial_guess"}
 
 
-def compare(revisions: list[str], workload: str, rounds: int) -> list[dict[str, list]]:
-    """Per version (in the order given), per metric, the seconds of every round."""
+def serial_steps(workload: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, one forward pass) of the workload's plain network."""
+    work = TRAINING_WORKLOADS[workload]()
+    net = serial_network(work)
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    return train_step_fn(net, work, x, y), forward_fn(net, x)
+
+
+def compare(revisions: list[str], workload: str, rounds: int, exact: bool = False,
+            serial: bool = False) -> list[dict[str, list]]:
+    """Per version (in the order given; with `serial`, serial PyTorch first), per metric,
+    the seconds of every round."""
     torch.set_num_threads(1)
-    times: list[dict[str, list]] = [{} for _ in revisions]
+    times: list[dict[str, list]] = [{} for _ in range(len(revisions) + serial)]
     with tempfile.TemporaryDirectory(prefix="mgrit-ab-") as tmp:
         sys.path.insert(0, tmp)
         try:
-            steps = []
+            steps = [serial_steps(workload)] if serial else []
             for n, revision in enumerate(revisions):
                 name = f"mgrit_{n}"
                 export(revision, Path(tmp), name)
-                steps.append(timed_steps(importlib.import_module(name), workload))
-            order = list(range(len(revisions)))
+                steps.append(timed_steps(importlib.import_module(name), workload, exact))
+            order = list(range(len(steps)))
             for which, label in ((0, "train_step"), (1, "forward")):
                 for n in order:                      # warm-up: storage, kernels
                     steps[n][which]()
@@ -101,12 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("revisions", nargs="+", help='git revisions, "." for the working tree')
     parser.add_argument("--workload", default="w2", choices=sorted(TRAINING_WORKLOADS))
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--exact", action="store_true",
+                        help="exact passes (levels=1) in place of the workload's settings")
+    parser.add_argument("--serial", action="store_true",
+                        help="time serial PyTorch too, first")
     args = parser.parse_args(argv)
-    times = compare(args.revisions, args.workload, args.rounds)
-    print(f"{args.workload}, one rank, {args.rounds} alternated rounds")
+    times = compare(args.revisions, args.workload, args.rounds, args.exact, args.serial)
+    names = ["serial"] * args.serial + args.revisions
+    passes = "exact passes" if args.exact else "the workload's settings"
+    print(f"{args.workload}, one rank, {passes}, {args.rounds} alternated rounds")
     print(f"{'revision':<12} {'metric':<11} {'median ms':>10} {'fastest ms':>11} "
           f"{'vs first':>9}")
-    for revision, measured in zip(args.revisions, times):
+    for revision, measured in zip(names, times):
         for label, runs in measured.items():
             base = statistics.median(times[0][label])
             print(f"{revision:<12} {label:<11} {statistics.median(runs) * 1e3:10.2f} "

@@ -46,6 +46,7 @@ class _ODESolve(torch.autograd.Function):
         out = model._solve_forward(u0, keep=True)
         ctx.model = model
         ctx.token = model._forward_token
+        ctx.taped = model._passes.tape.holds_graph
         ctx.context = dict(zip(names, tensors))
         ctx.draw_step = model.layers.draw_step
         # autograd runs the backward outside the user's autocast block: the adjoint
@@ -65,8 +66,8 @@ class _ODESolve(torch.autograd.Function):
         # dL/du0 only where the opening or the input needs it (the same on every rank,
         # as the graph before the solve is): else its broadcast, a collective, is skipped
         with reentered(ctx.autocast):
-            grad_u0, context_grads, grads = model._solve_backward(grad_out,
-                                                                  ctx.needs_input_grad[2])
+            grad_u0, context_grads, grads = model._solve_backward(
+                grad_out, ctx.needs_input_grad[2], ctx.taped)
         if model.data_comm is not None:
             torch.autograd.Variable._execution_engine.queue_callback(model._average_gradients)
         return (None, None, grad_u0, *[context_grads.get(name) for name in ctx.context],
@@ -275,6 +276,12 @@ class LayerParallel(nn.Module):
             torch.cuda.synchronize(t.device)
         return time.perf_counter()
 
+    def _trained(self) -> list[nn.Parameter]:
+        """What the optimizer trains of the layers, in the stack's parameter names: the
+        stacked rows, or the one module of tied weights."""
+        return (self._tied.parameters() if self._tied is not None
+                else list(self.layers.params.values()))
+
     def _solve_forward(self, u0: Tensor, keep: bool) -> Tensor:
         if self.training:
             if self._held_draw_step is not None:
@@ -284,32 +291,52 @@ class LayerParallel(nn.Module):
                 self.draw_step += 1
         with torch.no_grad():
             self._ghosts.refresh()
-            # a solver is built at its first use: the solve's time leaves that out
-            self._passes.forward_solver(u0, keep, inference=not self.training)
+        if keep and self._passes.taped(u0):
+            # exact passes on torch's graph (`mgrit.nn.engine.tape`): one sweep, whose
+            # residual is zero by construction
             start = self._clock(u0)
-            res = self._passes.solve_forward(u0, keep, inference=not self.training)
+            final = self._passes.tape_forward(u0, [p.requires_grad for p in self._trained()])
             seconds = self._clock(u0) - start
+            iterations, residuals = 1, [0.0]
+        else:
+            with torch.no_grad():
+                # a solver is built at its first use: the solve's time leaves that out
+                self._passes.forward_solver(u0, keep, inference=not self.training)
+                start = self._clock(u0)
+                res = self._passes.solve_forward(u0, keep, inference=not self.training)
+                seconds = self._clock(u0) - start
+            if keep:
+                self._passes.mark_solved()
+            final, iterations, residuals = res.final, res.iterations, res.residuals
         if keep:
             self._forward_token += 1
         # the norm of the given state: what the residuals are relative to
-        self.stats["forward"] = {"iterations": res.iterations, "residuals": res.residuals,
+        self.stats["forward"] = {"iterations": iterations, "residuals": residuals,
                                  "initial_norm": self._passes.initial_norm(u0, keep),
                                  "seconds": seconds}
-        return res.final
+        return final
 
-    def _solve_backward(self, grad_out: Tensor, grad_u0: bool = True
+    def _solve_backward(self, grad_out: Tensor, grad_u0: bool = True, taped: bool = False
                         ) -> tuple[Tensor | None, dict[str, Tensor], list[Tensor | None]]:
+        """The backward pass of the latest forward pass with gradients: through its graph
+        where it was `taped`, else the adjoint solve."""
         with torch.no_grad():
-            self._passes.adjoint_solver(grad_out)
-            start = self._clock(grad_out)
-            res, recorded = self._passes.solve_backward(grad_out, grad_u0)
-            seconds = self._clock(grad_out) - start
-            self.stats["backward"] = {"iterations": res.iterations, "residuals": res.residuals,
+            if taped:
+                start = self._clock(grad_out)
+                u0_grad, context_grads, grads = self._passes.tape.backward(grad_out, grad_u0)
+                seconds = self._clock(grad_out) - start
+                iterations, residuals = 1, [0.0]
+            else:
+                self._passes.adjoint_solver(grad_out)
+                start = self._clock(grad_out)
+                res, recorded = self._passes.solve_backward(grad_out, grad_u0)
+                seconds = self._clock(grad_out) - start
+                u0_grad, iterations, residuals = res.final, res.iterations, res.residuals
+                grads = layer_gradients(self.layers, recorded)
+                context_grads = context_gradients(recorded, self.layers.context, CONTEXT)
+            self.stats["backward"] = {"iterations": iterations, "residuals": residuals,
                                       "initial_norm": self._passes.initial_norm(grad_out),
                                       "seconds": seconds}
-            grads = layer_gradients(self.layers, recorded)
-            context = self.layers.context
-            context_grads = context_gradients(recorded, context, CONTEXT)
             if context_grads and self.comm.size > 1:
                 # each rank's sum covers its own layers: the whole is the sum over ranks
                 flat = torch.cat([g.reshape(-1) for g in context_grads.values()])
@@ -319,12 +346,12 @@ class LayerParallel(nn.Module):
                     g.copy_(flat[offset: offset + g.numel()].view_as(g))
                     offset += g.numel()
         if self._tied is not None:
-            return res.final, context_grads, self._tied.gradients(grads)
+            return u0_grad, context_grads, self._tied.gradients(grads)
         out = []
         for name in self.layers.names:
             param = self.layers.params[name.replace(".", "__")]
             out.append(grads[name] if param.requires_grad else None)
-        return res.final, context_grads, out
+        return u0_grad, context_grads, out
 
     def forward(self, x: Tensor, **context: Tensor) -> Tensor:
         u0 = self.opening(x)
@@ -333,8 +360,7 @@ class LayerParallel(nn.Module):
         self.layers.context = context
         check_inputs(self, u0, context)
         self._fill_tied_rows()
-        params = (self._tied.parameters() if self._tied is not None
-                  else list(self.layers.params.values()))
+        params = self._trained()
         names = tuple(context)
         values = tuple(context.values())
         if torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in params)

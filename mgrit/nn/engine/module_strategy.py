@@ -46,7 +46,7 @@ class ModuleSteps:
 
     def step(self, layer: int, t: Tensors, u: Tensor, dt: float) -> Tensor:
         module = self.stack.module(layer)
-        with _seeded(self.stack):
+        with seeded(self.stack):
             return u + dt * module(u, **self.stack.context)
 
     def _evaluate(self, t: Tensors, states: Tensor, context: Tensors) -> Tensor:
@@ -60,7 +60,7 @@ class ModuleSteps:
         if stack.torch_random:
             rows = []
             for i in range(len(states)):
-                with draws.keyed(keys[i]), _seeded(stack):
+                with draws.keyed(keys[i]), seeded(stack):
                     rows.append(self._f({k: v[i] for k, v in t.items()}, states[i], context))
             return torch.stack(rows)
         return vmap(self._f_keyed, in_dims=(0, 0, None, 0))(t, states, context, keys)
@@ -142,13 +142,13 @@ class ModuleSteps:
                 with draws.keyed(keys[i: i + 1] if keys is not None else None):
                     outs.append(stack.template.forward_batched(tt, x[i: i + 1], **ctx))
             else:
-                with draws.keyed(keys[i] if keys is not None else None), _seeded(stack):
+                with draws.keyed(keys[i] if keys is not None else None), seeded(stack):
                     outs.append(self._f({k: v[0] for k, v in tt.items()}, x[i], ctx)[None])
         return torch.cat(outs)
 
     def vjp_single(self, layer: int, u: Tensor, w: Tensor, dt: float) -> Tensor:
         """w + dt (df/du)^T w for one layer at state u, by autograd through its module."""
-        with torch.enable_grad(), _seeded(self.stack):
+        with torch.enable_grad(), seeded(self.stack):
             x = u.detach().requires_grad_()
             y = self.stack.module(layer)(x, **self.stack.context)
             return w + dt * torch.autograd.grad(y, x, w)[0]
@@ -158,7 +158,7 @@ class ModuleSteps:
 CONTEXT = "\0context:"
 
 
-def _seeded(stack: LayerStack):
+def seeded(stack: LayerStack):
     """Where the step module draws from torch's generator: the generator of the states'
     device, seeded with the active key for the evaluation inside (and restored after)."""
     if not (stack.torch_random and stack.training):

@@ -13,8 +13,10 @@ from ...core.config import Config
 from ...core.cycle import Result, Solver
 from ...core.grid import adjoint_blocks
 from .adjoint import AdjointPropagator
+from .module_strategy import StepSelection
 from .propagators import NetworkPropagator
 from .stack import LayerStack
+from .tape import Tape
 
 
 class Passes:
@@ -55,6 +57,12 @@ class Passes:
         # counts the times solvers were dropped (`set_configs`): a CUDA graph of a solve
         # made before reads memory that may since have been given to other tensors
         self.generation = 0
+        # exact passes with gradients on torch's graph (`taped`), with a communicator of
+        # their own; the key (shape, dtype, device) of the latest one, None when the
+        # latest pass with gradients was a solve
+        self.tape = Tape(layers, comm.dup(), num_steps, t_final)
+        self._taped_key: tuple | None = None
+        self._selections: dict[tuple, StepSelection] = {}
 
     def set_captured(self, captured: bool) -> None:
         """Solve the passes with gradients as captured solves (`Solver.captured`: no host
@@ -92,12 +100,63 @@ class Passes:
                     rows = solver.warm_states()
                     if rows is not None:
                         self._carried[(kind, *key[:3])] = rows
+        if carry and self._taped_key is not None:
+            # the latest passes were taped: their states are the freshest to start from
+            self._carried.update(self._taped_rows(self._taped_key))
+        self.tape.drop()
         self.forward_config = forward
         self.backward_config = backward
         self.backward_strides = backward_strides
         self.forward_solvers = {key: s for key, s in self.forward_solvers.items() if key[4]}
         self.adjoint_solvers = {}
         self.generation += 1
+
+    def taped(self, like: Tensor) -> bool:
+        """Whether the next passes with gradients for states like `like` run on torch's
+        graph (`mgrit.nn.engine.tape`): both exact (one level), not captured, and the
+        steps computing with torch's ops (a strategy that keeps no op outputs)."""
+        if (self.captured or self.forward_config.levels != 1
+                or self.backward_config.levels != 1):
+            return False
+        key = (tuple(like.shape), like.dtype, like.device)
+        selection = self._selections.get(key)
+        if selection is None:
+            selection = self._selections[key] = StepSelection(self.layers, like)
+        return not selection.current().keeps_values
+
+    def tape_forward(self, u0: Tensor, wanted: list[bool]) -> Tensor:
+        """`Tape.forward`, remembered as the latest pass with gradients."""
+        out = self.tape.forward(u0, wanted)
+        self._taped_key = (tuple(u0.shape), u0.dtype, u0.device)
+        return out
+
+    def mark_solved(self) -> None:
+        """The latest pass with gradients was a solve, not a taped pass."""
+        self._taped_key = None
+        self.tape.drop()
+
+    def _taped_rows(self, key: tuple) -> dict[tuple, Tensor]:
+        """The level-0 rows of this rank's forward and adjoint solvers (`Solver.fine_states`:
+        the previous rank's last point, then the rank's own) as the latest taped passes
+        left them, for solvers of states like `key` that start warm from them; a pass
+        whose points do not cover the rows (none yet) is left out."""
+        rank, size = self.tape.comm.rank, self.tape.comm.size
+        n = self.num_steps
+        first, last = self.blocks[rank]
+        a_first, a_last = self.adjoint_blocks[size - 1 - rank]
+        # the first rank's row 0 stands before the first point: the solvers hold zeros
+        wanted = {"forward": list(range(first - 1, last + 1)),
+                  "backward": [n - k for k in range(a_first - 1, a_last + 1)]}
+        out = {}
+        for kind, points in (("forward", self.tape.forward_points),
+                             ("backward", self.tape.backward_points)):
+            inside = [p for p in wanted[kind] if 0 <= p <= n]
+            if points and all(p in points for p in inside):
+                like = points[inside[0]]
+                out[(kind, *key)] = torch.stack([points[p] if 0 <= p <= n
+                                                 else torch.zeros_like(like)
+                                                 for p in wanted[kind]])
+        return out
 
     def initial_norm(self, x: Tensor, keep: bool = True) -> Tensor | float:
         """The norm of a pass's given state (`keep`: a pass with gradients), what its
