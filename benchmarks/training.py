@@ -175,7 +175,8 @@ def times_together(models: dict[str, Timed], repeats: int, comm: Any = None
     (`_interleaved`), with its solves' stats after its last training step."""
     barrier = comm.Barrier if comm is not None else (lambda: None)
     steps = _interleaved({name: m.step for name, m in models.items()}, repeats, barrier)
-    stats = {name: dict(m.model.stats) for name, m in models.items()}
+    # a plain network (serial PyTorch) has no solves
+    stats = {name: dict(getattr(m.model, "stats", {})) for name, m in models.items()}
     forwards = _interleaved({name: m.forward for name, m in models.items()}, repeats,
                             barrier)
     return {name: {"train_step": steps[name][0], "forward": forwards[name][0],
@@ -184,6 +185,7 @@ def times_together(models: dict[str, Timed], repeats: int, comm: Any = None
             for name in models}
 
 
+SERIAL = "serial pytorch"
 TORCH_KERNELS = "layer-parallel mgrit, torch kernels"
 SEQUENTIAL = "sequential stepping, mgrit kernels"
 CHOSEN = "MGRIT, chosen hierarchy"
@@ -283,16 +285,22 @@ def layer_parallel_methods(work: TrainingWorkload, repeats: int, comm: Any = Non
     return times_together(method_models(work, comm), repeats, comm)
 
 
-def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None
+def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None, serial: bool = False
                 ) -> dict[str, dict[str, Any]]:
     """`layer_parallel_methods` and the settings chosen for the workload on the ranks of
     `comm` (`chosen_variant`, without and with exact passes among the choices, their rows
-    after the workload's own setting's, with their options), all timed together."""
+    after the workload's own setting's, with their options), all timed together; with
+    `serial` (one process) serial PyTorch too, first, in the same rounds."""
     chosen = {method: chosen_variant(work, comm, exact_passes)
               for method, exact_passes in CHOSEN_METHODS.items()}
     methods = method_models(work, comm)
     first = "layer-parallel mgrit"
-    models = {first: methods[first],
+    models = {}
+    if serial:
+        net = serial_network(work)
+        x, y = work.inputs(torch.Generator().manual_seed(1))
+        models[SERIAL] = Timed(net, train_step_fn(net, work, x, y), forward_fn(net, x))
+    models |= {first: methods[first],
               **{method: timed_model(w, comm) for method, w in chosen.items()},
               **{k: v for k, v in methods.items() if k != first}}
     out = times_together(models, repeats, comm)
@@ -338,9 +346,15 @@ def timing_records(name: str, ranks: list[int], repeats: int,
                    launch: Callable[[str, int, int], dict]) -> list[dict[str, Any]]:
     """Serial PyTorch and the layer-parallel model on each rank count, as records."""
     work = TRAINING_WORKLOADS[name]()
-    serial = serial_times(work, repeats)
-    runs = {p: all_methods(work, repeats) if p == 1 else launch(name, p, repeats)
+    runs = {p: all_methods(work, repeats, serial=True) if p == 1 else launch(name, p, repeats)
             for p in ranks}
+    # serial PyTorch in the rounds of the one-process methods, where there are any: timed
+    # apart, a shared machine's drift between the two would show as a ratio
+    if 1 in runs:
+        timed = runs[1].pop(SERIAL)
+        serial = {metric: timed[metric] for metric in ("train_step", "forward")}
+    else:
+        serial = serial_times(work, repeats)
     # layer evaluations relative to sequential stepping (N forward + N adjoint), counted in
     # this process: the total over the ranks, which the rank count does not change
     work_ratios = {method: ratios(step_work(w)) for method, w in
@@ -352,7 +366,7 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     records = []
     mgrit_name = "layer-parallel mgrit"
     for metric in ("train_step", "forward"):
-        records.append({"workload": name, "method": "serial pytorch", "ranks": 1,
+        records.append({"workload": name, "method": SERIAL, "ranks": 1,
                         "metric": metric, "seconds": serial[metric], "ratio_to_serial": 1.0})
         base = runs[ranks[0]][mgrit_name][metric] * ranks[0]
         # the strongest sequential baseline: mgrit's own sequential stepping on the first
