@@ -46,7 +46,7 @@ class _Taped:
 
     start: Tensor
     states: list[Tensor]
-    params: dict[str, list[Tensor | None]]      # name -> per-layer leaf (None: frozen)
+    params: dict[str, list[Tensor]]     # name -> per-layer leaf, of the trained names only
     context: dict[str, Tensor] = field(default_factory=dict)   # leaves of context tensors
 
 
@@ -101,7 +101,9 @@ class Tape:
             start = u0.detach()
         tensors = stack.tensors()
         layers = range(stack.first, stack.last + 1)
-        params: dict[str, list[Tensor | None]] = {}
+        # a leaf per layer and trained parameter: each layer's gradient comes out on its own
+        # (a row of one stacked leaf would give every layer a gradient of the whole stack)
+        params: dict[str, list[Tensor]] = {}
         for name, want in zip(stack.names, wanted):
             rows = tensors[name].detach()
             params[name] = [rows[n - first].requires_grad_() if want else rows[n - first]
@@ -121,7 +123,9 @@ class Tape:
                 with stack.drawing(n), seeded(stack):
                     u = u + self.dt * functional_call(stack.template, t, (u,), context)
                 states.append(u)
-        self._taped = _Taped(x, states, params,
+        self._taped = _Taped(x, states,
+                             {name: rows for (name, rows), want in zip(params.items(), wanted)
+                              if want},
                              {k: v for k, v in context.items() if v.requires_grad})
         if rank < size - 1:
             comm.isend(u.detach().contiguous(), rank + 1, _STATE).wait()
@@ -161,7 +165,7 @@ class Tape:
         else:
             w = grad_out.detach()
         last = taped.states[-1]
-        leaves = [p for rows in taped.params.values() for p in rows if p is not None]
+        leaves = [p for rows in taped.params.values() for p in rows]
         context = list(taped.context.values())
         inner = taped.states[:-1]
         inputs = [*leaves, *context, *inner, taped.start]
@@ -177,14 +181,12 @@ class Tape:
         inner_grads = grads[len(grads) - len(inner):]
         self.backward_points = {first + i: g.detach()
                                 for i, g in enumerate([start_grad, *inner_grads, w])}
-        out: dict[str, Tensor] = {}
         it = iter(grads)
-        tensors = stack.tensors()
-        for name, rows in taped.params.items():
-            if any(p is not None for p in rows):
-                out[name] = torch.stack([next(it) for p in rows if p is not None])
-            else:
-                out[name] = torch.zeros_like(tensors[name])
+        trained = {name: torch.stack([next(it) for _ in rows])
+                   for name, rows in taped.params.items()}
+        # frozen parameters: zeros, which only tied weights' sums read
+        out = {name: trained[name] if name in trained else torch.zeros_like(tensor)
+               for name, tensor in stack.tensors().items() if name in stack.names}
         context_grads = {name: next(it) for name in taped.context}
         grad_u0 = None
         if input_grad:
