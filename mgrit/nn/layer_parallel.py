@@ -86,6 +86,10 @@ class LayerParallel(nn.Module):
     forward, backward: solver options of the two passes (default: 3 levels, coarsening 4,
                F-relaxation on the fine level and FCF below, 2 forward cycles, 1 backward
                cycle). `initial_guess="warm"` starts each solve from the previous step's.
+               Where both are exact (levels=1) and the steps compute with torch's ops
+               (no mgrit kernels for them), passes with gradients run on torch's own graph
+               (`mgrit.nn.engine.tape`): serial PyTorch's work and memory, one backward
+               pass per forward pass.
     comm:      None (one process) or an mpi4py communicator of the layer-parallel group.
     data_comm: an mpi4py communicator joining replicas that hold the same layers
                (see `mgrit.split_world`); their gradients are averaged after each backward.
