@@ -4,9 +4,9 @@ backwards for the adjoint (`ReversedComm`), MPI (`mpi.MPIComm`, made by `as_comm
 mpi4py communicator), threads playing ranks (`virtual`), and a recorder of any of them
 (`tracing`). Only `mpi` imports mpi4py, and only when it is used."""
 
-from .base import (Comm, Persistent, Request, ReversedComm, SerialComm, as_comm, recv_init,
-                   send_init)
+from .base import (Comm, Persistent, Request, ReversedComm, SerialComm, as_comm, note_rank,
+                   recv_init, send_init)
 from .mpi import split_world
 
 __all__ = ["Comm", "Persistent", "Request", "ReversedComm", "SerialComm", "as_comm",
-           "recv_init", "send_init", "split_world"]
+           "note_rank", "recv_init", "send_init", "split_world"]

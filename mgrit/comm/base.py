@@ -163,6 +163,13 @@ class ReversedComm:
         self.inner.allreduce_sum_(buf)
 
 
+def note_rank(err: Exception, comm: "Comm") -> None:
+    """Name the rank in an error raised on one of several ranks (a note on the exception):
+    with every rank failing alike or one alone, the traceback says which it came from."""
+    if comm.size > 1:
+        err.add_note(f"mgrit: raised on rank {comm.rank} of {comm.size}")
+
+
 def innermost(comm: Any) -> Any:
     """The communicator under the wrappers (`ReversedComm`, a cut or a tracing one) that
     pass every call to an `inner` one."""

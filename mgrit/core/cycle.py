@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from ..comm import Comm, as_comm
+from ..comm import Comm, as_comm, note_rank
 from ..execute import make_executor
 from .agglomerate import Gathered, first_gathered
 from .checks import (check_guess, check_number, check_step, check_u0,
@@ -302,8 +302,7 @@ class Solver:
         try:
             return self._solve(u0, final)
         except Exception as err:
-            if self.comm.size > 1:
-                err.add_note(f"mgrit: raised on rank {self.comm.rank} of {self.comm.size}")
+            note_rank(err, self.comm)
             raise
 
     def _solve(self, u0: Tensor, want_final: bool) -> Result:

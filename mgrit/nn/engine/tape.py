@@ -24,19 +24,13 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from ...comm import Comm
+from ...comm import Comm, note_rank
 from ...core.checks import check_u0
 from .module_strategy import seeded
 from .stack import LayerStack
 
 # message tags on the tape's own communicator: states go up the ranks, cotangents down
 _STATE, _COTANGENT = 1, 2
-
-
-def _name_rank(err: Exception, comm: Comm) -> None:
-    """Add the rank to an error on several ranks, as a solve does."""
-    if comm.size > 1:
-        err.add_note(f"mgrit: raised on rank {comm.rank} of {comm.size}")
 
 
 @dataclass
@@ -87,28 +81,24 @@ class Tape:
         try:
             return self._forward(u0, wanted)
         except Exception as err:
-            _name_rank(err, self.comm)
+            note_rank(err, self.comm)
             raise
 
     def _forward(self, u0: Tensor, wanted: list[bool]) -> Tensor:
         stack, comm = self.stack, self.comm
         rank, size = comm.rank, comm.size
-        first = stack.first
         if rank > 0:
             start = torch.empty_like(u0, memory_format=torch.contiguous_format)
             comm.irecv(start, rank - 1, _STATE).wait()
         else:
             start = u0.detach()
-        tensors = stack.tensors()
         layers = range(stack.first, stack.last + 1)
-        # a leaf per layer and trained parameter: each layer's gradient comes out on its own
-        # (a row of one stacked leaf would give every layer a gradient of the whole stack)
-        params: dict[str, list[Tensor]] = {}
-        for name, want in zip(stack.names, wanted):
-            rows = tensors[name].detach()
-            params[name] = [rows[n - first].requires_grad_() if want else rows[n - first]
-                            for n in layers]
-        buffers = [name for name in tensors if name not in params]
+        # each layer's tensors, detached views of the stack's current storage; a leaf per
+        # layer and trained parameter, so that each layer's gradient comes out on its own (a
+        # row of one stacked leaf would give every layer a gradient of the whole stack)
+        views = [{k: v.detach() for k, v in stack.layer_tensors(n).items()} for n in layers]
+        params = {name: [v[name].requires_grad_() for v in views]
+                  for name, want in zip(stack.names, wanted) if want}
         context = {k: (v.detach().requires_grad_() if v.requires_grad else v)
                    for k, v in stack.context.items()}
         with torch.enable_grad():
@@ -117,15 +107,10 @@ class Tape:
             x = start.detach().requires_grad_()
             u, states = x, []
             for i, n in enumerate(layers):
-                t = {name: rows[i] for name, rows in params.items()}
-                for name in buffers:
-                    t[name] = tensors[name][n - first].detach()
                 with stack.drawing(n), seeded(stack):
-                    u = u + self.dt * functional_call(stack.template, t, (u,), context)
+                    u = u + self.dt * functional_call(stack.template, views[i], (u,), context)
                 states.append(u)
-        self._taped = _Taped(x, states,
-                             {name: rows for (name, rows), want in zip(params.items(), wanted)
-                              if want},
+        self._taped = _Taped(x, states, params,
                              {k: v for k, v in context.items() if v.requires_grad})
         if rank < size - 1:
             comm.isend(u.detach().contiguous(), rank + 1, _STATE).wait()
@@ -147,7 +132,7 @@ class Tape:
         try:
             return self._backward(grad_out, input_grad)
         except Exception as err:
-            _name_rank(err, self.comm)
+            note_rank(err, self.comm)
             raise
 
     def _backward(self, grad_out: Tensor, input_grad: bool
