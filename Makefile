@@ -7,12 +7,16 @@
 # deep narrow network (1024 layers), where layer-parallel training is the faster one, to
 # show what it is for (out/demo/deep.md). Under 3 minutes on 2 cores.
 # Elsewhere (e.g. a CUDA machine) override the torch requirement: make test TORCH_SPEC="torch>=2.3"
+# make test runs the tests in TEST_WORKERS processes (pytest-xdist; 0: in pytest's own).
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # a cluster with its own MPI: make test EXTRAS=app,dev (mpi4py then builds against it)
 EXTRAS ?= app,mpi,dev
+# two: much of the suite is one process at a time (a test and its single-rank runs), which
+# leaves a second core idle; more than the cores would only oversubscribe the MPI tests' ranks
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mgrit-installed
 
@@ -30,13 +34,13 @@ $(STAMP): pyproject.toml
 # it instead of skipping them (tests/needs.py)
 # timing tests assert on wall-clock time: they belong to a quiet machine, not to make test
 test: $(STAMP)
-	MGRIT_TEST_REQUIRE_ALL=1 $(PY) -m pytest -q -m "not timing"
+	MGRIT_TEST_REQUIRE_ALL=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not timing"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not mpi and not slow and not timing"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not mpi and not slow and not timing"
 
 test-timing: $(STAMP)
 	$(PY) -m pytest -q -m timing
