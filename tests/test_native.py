@@ -4,6 +4,7 @@ layer kernels."""
 
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -742,3 +743,69 @@ def test_the_dense_strategy_runs_natively_up_to_its_limits_and_on_torch_past_the
         strategy.batch_into(t, u, 0.3, out, g, True)
         assert calls == (["step_batch"] * 2 if natively else []), count
         assert relative([(got, ref), (out, g.double() + ref)]) <= tol, count
+
+
+@needs_native
+def test_keyed_dropout_masks_are_the_tensor_hashes_bit_for_bit(monkeypatch):
+    """The C keep masks (csrc/draws.c) against the int64 hash on tensors that the vmap path
+    and other devices compute: keys at both ends of their range, several sites and shapes,
+    probabilities 0 and 1 and near them; and keep_mask takes the C masks on the CPU."""
+    from mgrit.nn.engine import randomness
+
+    cpu = torch.device("cpu")
+    calls = []
+    keep_mask = native.keep_mask
+    monkeypatch.setattr(native, "keep_mask",
+                        lambda *args: calls.append(args) or keep_mask(*args))
+    keys = torch.tensor([0, 1, 12345, 2**31, 2**32 - 1])
+    for p in (0.0, 2.0**-32, 0.1, 0.5, 1 - 2.0**-33):
+        for site in (0, 1, 7):
+            for shape in ((1,), (3, 5), (16, 64, 64), (0, 4), (2, 1, 33)):
+                randomness._masks.clear()
+                before = len(calls)
+                kernel = randomness.keep_mask(keys, site, shape, cpu, p)
+                assert len(calls) - before == len(keys)
+                tensor = torch.vmap(lambda k: randomness.keep_mask(k, site, shape, cpu, p))(keys)
+                assert kernel.shape == tensor.shape == (len(keys), *shape)
+                assert torch.equal(kernel, tensor), (p, site, shape)
+    threshold = 1 << 32       # p = 1: nothing kept
+    assert not native.keep_mask(5, (1000,), threshold).any()
+    assert native.keep_mask(5, (1000,), 0).all()
+    with pytest.raises(ValueError, match="key must be below 2\\*\\*32"):
+        native.keep_mask(1 << 32, (3,), 0)
+    with pytest.raises(ValueError, match="threshold at most 2\\*\\*32"):
+        native.keep_mask(0, (3,), (1 << 32) + 1)
+
+
+def test_keyed_dropout_masks_use_torch_where_native_kernels_are_not_allowed(monkeypatch):
+    from mgrit.nn.engine import randomness
+
+    monkeypatch.setenv("MGRIT_NATIVE", "torch")
+    monkeypatch.setattr(native, "keep_mask", lambda *args: pytest.fail("C masks under torch"))
+    randomness._masks.clear()
+    keys = torch.tensor([3, 4])
+    mask = randomness.keep_mask(keys, 0, (4, 5), torch.device("cpu"), 0.3)
+    assert torch.equal(mask, torch.stack([randomness._bits(k, 0, (4, 5), torch.device("cpu"))
+                                          >= int(0.3 * 2**32) for k in keys]))
+    randomness._masks.clear()
+
+
+@needs_native
+@pytest.mark.slow
+def test_the_mask_benchmark_times_both_hashes_and_restores_the_kernels_choice(tmp_path,
+                                                                              monkeypatch):
+    """`python -m benchmarks.masks`: one mask each way, then W4's steps with either next
+    to serial PyTorch in every round; MGRIT_NATIVE is the caller's again afterwards."""
+    from benchmarks import masks
+
+    monkeypatch.setenv("MGRIT_NATIVE", "kernels")
+    out = tmp_path / "masks.json"
+    assert masks.main(["--rounds", "1", "--json", str(out)]) == 0
+    assert os.environ["MGRIT_NATIVE"] == "kernels"
+    record = json.loads(out.read_text())
+    assert sorted(record["mask_seconds"]) == ["C masks", "torch masks"]
+    assert all(s > 0 for s in record["mask_seconds"].values())
+    for kind in ("exact", "mgrit"):
+        times = record["steps"][kind]
+        assert sorted(times) == ["C masks", "serial pytorch", "torch masks"]
+        assert all(len(v) == 1 and v[0] > 0 for v in times.values())

@@ -146,7 +146,7 @@ class Recipe:
 
 # The first flag set links glibc's vector math library for the dense kernels' tanh; where it
 # is missing or lacks the functions, -z defs makes the link fail and the next set is tried.
-C = Recipe("native", (CSRC / "conv2d.c", CSRC / "dense.c"), c_compiler,
+C = Recipe("native", (CSRC / "conv2d.c", CSRC / "dense.c", CSRC / "draws.c"), c_compiler,
            (("-O3", "-march=native", "-DMGRIT_LIBMVEC", "-Wl,-z,defs", "-Wl,--no-as-needed",
              "-lmvec"), ("-O3", "-march=native"), ("-O3",)), ("-shared", "-fPIC"), ("-lm",),
            cpu)

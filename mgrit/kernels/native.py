@@ -5,6 +5,8 @@ torch's CPU convolution is far from the arithmetic they need. `dense_tanh` and
 `dense_tanh_vjp` (csrc/dense.c) are the residual step u + h tanh(u W^T + b) of a dense layer
 and its adjoint over a batch of layers in one call, where torch needs four or five calls,
 each costing more than a narrow layer's arithmetic (docs/performance.md has the figures).
+`keep_mask` (csrc/draws.c) hashes the keep masks of mgrit's keyed dropout, bit for bit those
+of `mgrit.nn.engine.randomness`, in 32-bit lanes where torch computes them in int64.
 The library is built by `mgrit.kernels.build` with `$CC` (else cc, gcc or clang on PATH)
 into the kernels' cache. Where no compiler works, `available()` is False and callers use
 torch.
@@ -20,7 +22,8 @@ from torch import Tensor
 
 from .build import C, SUFFIX, LazyLibrary, built
 
-__all__ = ["available", "conv2d", "conv2d_weight", "dense_tanh", "dense_tanh_vjp"]
+__all__ = ["available", "conv2d", "conv2d_weight", "dense_tanh", "dense_tanh_vjp",
+           "keep_mask"]
 
 MAX_WIDTH = 1024  # dense.c's limit on the width d
 
@@ -47,6 +50,8 @@ def _load() -> ctypes.CDLL:
                      "mgrit_dense_tanh_vjp_program", "mgrit_dense_tanh_vjp_record_program"):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = [P, I, real, I, I], ctypes.c_int
+    lib.mgrit_keep_mask.argtypes = [ctypes.c_uint32, I, ctypes.c_uint64, P]
+    lib.mgrit_keep_mask.restype = ctypes.c_int
     return lib
 
 
@@ -234,3 +239,18 @@ def dense_tanh_vjp(w: Tensor, a: Tensor, y: Tensor, dt: float, out: Tensor | Non
         ("x", x, state), ("gw", gw, (d, d)), ("gb", gb, (d,))))
     if a.numel() or gw is not None:
         _call(name, a, *args, dt, 1 if count is None else count, rows, d)
+
+
+def keep_mask(key: int, shape: tuple[int, ...], threshold: int) -> Tensor:
+    """A bool CPU tensor of `shape`: element i (flat index) is True where the keyed
+    dropout's hash of (i, `key`) is at least `threshold` (at most 2**32); `key` is the
+    draw's mixed key and site, below 2**32 (`mgrit.nn.engine.randomness`)."""
+    if not 0 <= key < 1 << 32 or not 0 <= threshold <= 1 << 32:
+        raise ValueError(f"keep_mask: key must be below 2**32 and threshold at most 2**32, "
+                         f"got {key} and {threshold}")
+    out = torch.empty(shape, dtype=torch.bool)
+    if out.numel():
+        code = library().mgrit_keep_mask(key, out.numel(), threshold, out.data_ptr())
+        if code:
+            raise RuntimeError(f"keep_mask: the kernel refused its arguments (code {code})")
+    return out

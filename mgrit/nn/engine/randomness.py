@@ -19,7 +19,9 @@ The same layer therefore drops the same elements in every relaxation, level and 
 adjoint of a step, whatever batch it is evaluated in, and new ones the next step. Serial
 training reproduces the draws with `draws(seed, k)` around its forward pass (see
 `mgrit.nn.serial.ResidualStep`). The hash is integer arithmetic on tensors, so it runs
-under `vmap` and in batched block kernels alike.
+under `vmap` and in batched block kernels alike. On the CPU the masks of single keys are
+hashed by mgrit's C library where it is available and allowed (`mgrit.kernels.choice`; bit
+for bit the same masks, in 32-bit lanes instead of torch's int64 operations).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from ...kernels import choice, native
 
 _MASK32 = 0xFFFFFFFF
 # odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so the products
@@ -119,7 +123,7 @@ class _MaskCache:
         entry = (key, site, shape, device, threshold)
         mask = self.entries.get(entry)
         if mask is None:
-            mask = _bits(torch.tensor(key, dtype=torch.int64), site, shape, device) >= threshold
+            mask = _keep(key, site, shape, device, threshold)
             size = mask.numel()
             while self.entries and self.bytes + size > self.limit:
                 old = self.entries.pop(next(iter(self.entries)))
@@ -131,6 +135,16 @@ class _MaskCache:
     def clear(self) -> None:
         self.entries.clear()
         self.bytes = 0
+
+
+def _keep(key: int, site: int, shape: tuple[int, ...], device: torch.device,
+          threshold: int) -> Tensor:
+    """The keep mask of one key: the C library's on the CPU where it may run (the same bits
+    at a fraction of the cost), else `_bits` on tensors."""
+    if (torch.device(device).type == "cpu" and choice.native_allowed(choice.native_backend())
+            and native.available()):
+        return native.keep_mask(_mix_int(key ^ _mix_int(_SALT ^ site)), shape, threshold)
+    return _bits(torch.tensor(key, dtype=torch.int64), site, shape, device) >= threshold
 
 
 _masks = _MaskCache()
