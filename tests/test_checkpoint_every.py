@@ -13,6 +13,7 @@ from mgrit.app.environment import source_commit
 from mgrit.app.resuming import truncate_metrics
 
 from runs import launches, mgrit, records
+from test_train_cli import FIXED_PRICES
 
 TINY = ["--steps", "8", "--width", "8", "--no-progress",
         "--set", "forward.levels=2", "--set", "backward.levels=2",
@@ -29,9 +30,7 @@ def _without_times(folder):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks,serial", [(1, []), (2, []), (1, ["--serial"])])
 def test_resume_from_within_an_epoch_continues_exactly(tmp_path, ranks, serial):
-    # two runs price settings alike only on the fixed model: each run that measures its
-    # prices (the default) measures its own, and on a busy machine they may choose apart
-    fixed = [] if serial else ["--set", "control.batching=6"]
+    fixed = [] if serial else FIXED_PRICES
     whole, split = tmp_path / "whole", tmp_path / "split"
     mgrit("train", *TINY, *serial, *fixed, "--epochs", "2", "--out", str(whole), ranks=ranks)
     mgrit("train", *TINY, *serial, *fixed, "--epochs", "2", "--checkpoint-every", "3",

@@ -18,6 +18,10 @@ from runs import mgrit, records
 TINY = ["--epochs", "2", "--steps", "8", "--width", "8", "--no-progress",
         "--set", "forward.levels=2", "--set", "backward.levels=2",
         "--set", "forward.relax=\"F\"", "--set", "backward.relax=\"F\""]
+# the controller's fixed cost model: two launches compared record for record must price
+# settings alike, and each launch that measures its prices (the default) measures its own,
+# so that on a busy machine they may choose different settings at a probe
+FIXED_PRICES = ["--set", "control.batching=6"]
 
 
 # settings ---------------------------------------------------------------------------------
@@ -153,7 +157,7 @@ def test_trace_records_steps_that_replay_near_their_measured_times(tmp_path):
     on a slower network. (How close a replay comes to the measured time is a timing
     question: the scaling study's validation, on a quiet machine.)"""
     plain, traced = tmp_path / "plain", tmp_path / "traced"
-    one = ["--epochs", "1", "--no-checkpoint"]
+    one = ["--epochs", "1", "--no-checkpoint", *FIXED_PRICES]
     mgrit("train", *TINY, *one, "--out", str(plain), ranks=2)
     mgrit("train", *TINY, *one, "--trace", "4", "--out", str(traced), ranks=2)
     losses = [[r["loss"] for r in records(out) if r["type"] == "step"] for out in (plain, traced)]
@@ -185,10 +189,8 @@ def test_replay_of_a_file_that_is_no_trace_is_a_clear_error(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, ranks):
-    # two runs price settings alike only on the fixed model: each run that measures its
-    # prices (the default) measures its own
     warm = ["--set", "forward.initial_guess=\"warm\"", "--set", "backward.initial_guess=\"warm\"",
-            "--set", "control.batching=6"]
+            *FIXED_PRICES]
     whole, split = tmp_path / "whole", tmp_path / "split"
     mgrit("train", *TINY, *warm, "--epochs", "3", "--out", str(whole), ranks=ranks)
     mgrit("train", *TINY, *warm, "--epochs", "2", "--out", str(split), ranks=ranks)
@@ -277,9 +279,9 @@ def test_compare_writes_figures_table_and_json(tmp_path):
 @pytest.mark.mpi
 def test_data_parallel_run_trains_like_one_replica_on_the_full_batch(tmp_path):
     single, replicas = tmp_path / "single", tmp_path / "replicas"
-    mgrit("train", *TINY, "--out", str(single), "--no-checkpoint")
-    mgrit("train", *TINY, "--out", str(replicas), "--no-checkpoint", "--data-parallel", "2",
-          ranks=2)
+    mgrit("train", *TINY, *FIXED_PRICES, "--out", str(single), "--no-checkpoint")
+    mgrit("train", *TINY, *FIXED_PRICES, "--out", str(replicas), "--no-checkpoint",
+          "--data-parallel", "2", ranks=2)
     a = [r for r in records(single) if r["type"] == "epoch"]
     b = [r for r in records(replicas) if r["type"] == "epoch"]
     assert [r["epoch"] for r in a] == [r["epoch"] for r in b] == [1, 2]

@@ -20,7 +20,7 @@ from mgrit.app import data
 from mgrit.app.settings import load
 
 from conftest import mpiexec_path
-from test_train_cli import TINY, mgrit, records
+from test_train_cli import FIXED_PRICES, TINY, mgrit, records
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -239,9 +239,9 @@ def test_the_torchvision_hint_keeps_the_installed_torch():
 @pytest.mark.mpi
 def test_a_checkpoint_of_two_ranks_resumes_on_one_exactly(tmp_path):
     single = tmp_path / "single"
-    mgrit("train", *TINY, "--out", str(single))
+    mgrit("train", *TINY, *FIXED_PRICES, "--out", str(single))
     moved = tmp_path / "moved"
-    mgrit("train", *TINY, "--epochs", "1", "--out", str(moved), ranks=2)
+    mgrit("train", *TINY, *FIXED_PRICES, "--epochs", "1", "--out", str(moved), ranks=2)
     mgrit("train", "--epochs", "2", "--out", str(moved), "--resume")
     a, b = _epochs(single), _epochs(moved)
     assert [r["epoch"] for r in b] == [1, 2]
