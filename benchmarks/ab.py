@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .timing import seconds
-from .training import forward_fn, serial_network, train_step_fn
+from .training import timed, timed_serial
 from .workloads import TRAINING_WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +64,9 @@ def timed_steps(package: Any, workload: str, exact: bool = False
     net = work.network()
     configs = [package.Config(levels=1, tol=0.0, max_iter=1) if exact
                else package.Config(**_options(c)) for c in (work.forward, work.backward)]
-    model = package.LayerParallel(net.step, net.num_steps, net.t_final, *configs,
-                                  opening=net.opening, closing=net.closing)
-    x, y = work.inputs(torch.Generator().manual_seed(1))
-    return train_step_fn(model, work, x, y), forward_fn(model, x)
+    steps = timed(work, package.LayerParallel(net.step, net.num_steps, net.t_final, *configs,
+                                              opening=net.opening, closing=net.closing))
+    return steps.step, steps.forward
 
 
 def _options(config: Any) -> dict[str, Any]:
@@ -77,10 +76,8 @@ def _options(config: Any) -> dict[str, Any]:
 
 def serial_steps(workload: str) -> tuple[Callable[[], None], Callable[[], None]]:
     """(one training step, one forward pass) of the workload's plain network."""
-    work = TRAINING_WORKLOADS[workload]()
-    net = serial_network(work)
-    x, y = work.inputs(torch.Generator().manual_seed(1))
-    return train_step_fn(net, work, x, y), forward_fn(net, x)
+    serial = timed_serial(TRAINING_WORKLOADS[workload]())
+    return serial.step, serial.forward
 
 
 def compare(revisions: list[str], workload: str, rounds: int, exact: bool = False,

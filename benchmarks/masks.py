@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -25,16 +24,11 @@ import mgrit
 from mgrit.nn.engine import randomness
 
 from .ab import serial_steps, timed_steps
+from .timing import seconds
 
 SHAPE = (16, 64, 64)
 # the environment's kernels choice in each column: where the masks are hashed
 MASKS = {"torch masks": "torch", "C masks": "auto"}
-
-
-def seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def one_mask(rounds: int) -> dict[str, float]:

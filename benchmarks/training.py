@@ -121,10 +121,9 @@ def gradient_pairs(model: LayerParallel, serial: nn.Sequential) -> list[tuple[Te
 
 
 def serial_times(work: TrainingWorkload, repeats: int) -> dict[str, float]:
-    serial = serial_network(work)
-    x, y = work.inputs(torch.Generator().manual_seed(1))
-    return {"train_step": median_seconds(train_step_fn(serial, work, x, y), repeats),
-            "forward": median_seconds(forward_fn(serial, x), repeats)}
+    serial = timed_serial(work)
+    return {"train_step": median_seconds(serial.step, repeats),
+            "forward": median_seconds(serial.forward, repeats)}
 
 
 # timed calls of one method in a row within a round of `_interleaved`
@@ -154,19 +153,29 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int,
 
 
 class Timed(NamedTuple):
-    """A layer-parallel model to time: its training step and its forward pass."""
+    """A model to time (layer-parallel, or the plain network of serial PyTorch): its
+    training step and its forward pass."""
 
-    model: LayerParallel
+    model: nn.Module
     step: Callable[[], None]
     forward: Callable[[], None]
+
+
+def timed(work: TrainingWorkload, model: nn.Module) -> Timed:
+    """`model` with its training step and forward pass on the workload's fixed batch."""
+    x, y = work.inputs(torch.Generator().manual_seed(1))
+    return Timed(model, train_step_fn(model, work, x, y), forward_fn(model, x))
 
 
 def timed_model(work: TrainingWorkload, comm: Any = None, kernels: str | None = None
                 ) -> Timed:
     """The workload's layer-parallel model, built with `kernels`, with its callables."""
-    model = parallel_model(work, comm=comm, kernels=kernels)
-    x, y = work.inputs(torch.Generator().manual_seed(1))
-    return Timed(model, train_step_fn(model, work, x, y), forward_fn(model, x))
+    return timed(work, parallel_model(work, comm=comm, kernels=kernels))
+
+
+def timed_serial(work: TrainingWorkload) -> Timed:
+    """The workload's plain network (serial PyTorch), with its callables."""
+    return timed(work, serial_network(work))
 
 
 def times_together(models: dict[str, Timed], repeats: int, comm: Any = None
@@ -297,9 +306,7 @@ def all_methods(work: TrainingWorkload, repeats: int, comm: Any = None, serial: 
     first = "layer-parallel mgrit"
     models = {}
     if serial:
-        net = serial_network(work)
-        x, y = work.inputs(torch.Generator().manual_seed(1))
-        models[SERIAL] = Timed(net, train_step_fn(net, work, x, y), forward_fn(net, x))
+        models[SERIAL] = timed_serial(work)
     models |= {first: methods[first],
               **{method: timed_model(w, comm) for method, w in chosen.items()},
               **{k: v for k, v in methods.items() if k != first}}
@@ -351,8 +358,8 @@ def timing_records(name: str, ranks: list[int], repeats: int,
     # serial PyTorch in the rounds of the one-process methods, where there are any: timed
     # apart, a shared machine's drift between the two would show as a ratio
     if 1 in runs:
-        timed = runs[1].pop(SERIAL)
-        serial = {metric: timed[metric] for metric in ("train_step", "forward")}
+        together = runs[1].pop(SERIAL)
+        serial = {metric: together[metric] for metric in ("train_step", "forward")}
     else:
         serial = serial_times(work, repeats)
     # layer evaluations relative to sequential stepping (N forward + N adjoint), counted in
